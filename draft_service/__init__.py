@@ -1,0 +1,1 @@
+"""The draft service: proposes the next tokens of a session."""

@@ -1,0 +1,98 @@
+"""gRPC face of the draft service."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from draft_service.drafters import ModelDrafter, ProposeCall
+from tandem import serving
+from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
+from tandem.modeling import ModelConfig, ModelRunner, load
+from tandem.session_cache import SessionCacheStore
+from tandem.v1 import draft_pb2, draft_pb2_grpc
+from tandem.wire import encode_distribution, sampling_from_proto
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+MAX_DRAFT_TOKENS = 64
+BACKENDS = ("model", "ngram", "ngram+model")
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """Which draft backend answers Propose."""
+
+    backend: str = "model"  # "model", "ngram" (prompt lookup) or "ngram+model"
+    vocab_subset: int = 0  # FR-Spec: score only the N most frequent tokens; 0 = all
+    ngram_max: int = 4  # longest n-gram matched by prompt lookup
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.vocab_subset < 0 or self.ngram_max < 1:
+            raise ValueError("vocab_subset must be >= 0 and ngram_max >= 1")
+
+
+class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig(), options: DraftOptions = DraftOptions()):
+        info = load(model)
+        runner = ModelRunner(info, model.device)
+        store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
+        super().__init__(info, store, "draft-model")
+        self.backend = options.backend
+        self.drafter = ModelDrafter(runner, store)
+
+    def _call(self, request) -> ProposeCall:
+        self.check_session(request)
+        new_tokens = self.check_tokens(request.new_tokens, "new_tokens", self.drafter.vocab_size)
+        if not 1 <= request.num_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidRequest(f"num_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {request.num_tokens}")
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as err:
+            raise InvalidRequest(str(err)) from None
+        return ProposeCall(
+            session_id=request.session_id,
+            prefix_len=request.prefix.length,
+            prefix_fp=request.prefix.fingerprint,
+            new_tokens=new_tokens,
+            num_tokens=request.num_tokens,
+            sampling=sampling,
+            return_dists=request.return_distributions,
+            first_is_bonus_guess=request.first_is_bonus_guess,
+        )
+
+    async def Propose(self, request, context):
+        try:
+            call = self._call(request)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        cancelled = threading.Event()
+        context.add_done_callback(lambda _: cancelled.set())
+        proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled)
+        self.prefill_tokens += proposal.prefilled
+        return draft_pb2.ProposeReply(
+            tokens=proposal.tokens,
+            token_probs=proposal.token_probs,
+            distributions=[encode_distribution(d) for d in proposal.dists],
+            prefilled_tokens=proposal.prefilled,
+            cropped_tokens=proposal.cropped,
+            compute_ms=proposal.compute_ms,
+            step_ms=proposal.step_ms,
+        )
+
+
+def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(),
+                 options: DraftOptions = DraftOptions()):
+    """Returns (server, port, health, servicer); the caller starts the server."""
+    servicer = DraftServicer(model, cache, options)
+
+    def register(server):
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        return SERVICE_NAME
+
+    server, port, health = serving.create_server(address, [register])
+    return server, port, health, servicer

@@ -1,0 +1,174 @@
+"""The two interfaces the orchestrator depends on, a proposer and a verifier,
+and their gRPC clients. Both return frozen dataclasses."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from tandem import serving
+from tandem.sampling import SamplingParams
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire import sampling_to_proto
+
+
+class ServiceCacheMiss(Exception):
+    """The service does not hold the prefix the call named; re-sync and retry."""
+
+
+class ServiceUnavailable(Exception):
+    """A model service is down or timed out."""
+
+
+@dataclass(frozen=True)
+class Prefix:
+    length: int
+    fingerprint: int
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    tokens: list[int]
+    token_probs: list[float] = field(default_factory=list)  # [k] under sampling
+    distributions: list = field(default_factory=list)  # k wire Distributions under sampling
+    prefilled: int = 0
+    compute_ms: float = 0.0
+    step_ms: float = 0.0
+    latency_ms: float = 0.0  # as seen by the orchestrator
+
+    def drop_first(self) -> "DraftBlock":
+        """The block after its first token (the pre-drafted bonus guess)."""
+        return DraftBlock(
+            tokens=self.tokens[1:],
+            token_probs=self.token_probs[1:],
+            distributions=self.distributions[1:],
+            compute_ms=self.compute_ms,
+            step_ms=self.step_ms,
+        )
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: int
+    next_token: int
+    prefilled: int = 0
+    compute_ms: float = 0.0
+    latency_ms: float = 0.0
+
+
+class Proposer(Protocol):
+    async def propose(
+        self, session_id: str, prefix: Prefix, new_tokens: list[int], k: int,
+        sampling: SamplingParams, bonus_guess: bool = False,
+    ) -> DraftBlock: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+    async def model_info(self) -> common_pb2.ModelInfo: ...
+
+
+class Verifier(Protocol):
+    async def verify(
+        self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
+        sampling: SamplingParams,
+    ) -> VerifyResult: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+    async def model_info(self) -> common_pb2.ModelInfo: ...
+
+
+def _translate(err: grpc.aio.AioRpcError) -> Exception:
+    if serving.is_cache_miss(err):
+        return ServiceCacheMiss(err.details())
+    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ServiceUnavailable(f"{err.code().name}: {err.details()}")
+    return err
+
+
+class _GrpcClient:
+    def __init__(self, address: str, stub_class, timeout_s: float):
+        self.address = address
+        self.channel = serving.insecure_channel(address)
+        self.stub = stub_class(self.channel)
+        self.timeout_s = timeout_s
+
+    async def release(self, session_id: str) -> None:
+        try:
+            await self.stub.ReleaseSession(
+                common_pb2.ReleaseSessionRequest(session_id=session_id), timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            pass  # a cache is disposable; the TTL reclaims it
+
+    async def model_info(self) -> common_pb2.ModelInfo:
+        try:
+            return await self.stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _translate(err) from None
+
+    async def stats(self) -> common_pb2.ServiceStats:
+        return await self.stub.GetStats(common_pb2.GetStatsRequest(), timeout=self.timeout_s)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class GrpcProposer(_GrpcClient):
+    def __init__(self, address: str, timeout_s: float = 120.0):
+        super().__init__(address, draft_pb2_grpc.DraftServiceStub, timeout_s)
+
+    async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False):
+        request = draft_pb2.ProposeRequest(
+            session_id=session_id,
+            prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
+            new_tokens=new_tokens,
+            num_tokens=k,
+            sampling=sampling_to_proto(sampling),
+            return_distributions=not sampling.greedy,
+            first_is_bonus_guess=bonus_guess,
+        )
+        start = time.perf_counter()
+        try:
+            reply = await self.stub.Propose(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _translate(err) from None
+        return DraftBlock(
+            tokens=list(reply.tokens),
+            token_probs=list(reply.token_probs),
+            distributions=list(reply.distributions),
+            prefilled=reply.prefilled_tokens,
+            compute_ms=reply.compute_ms,
+            step_ms=reply.step_ms,
+            latency_ms=(time.perf_counter() - start) * 1e3,
+        )
+
+
+class GrpcVerifier(_GrpcClient):
+    def __init__(self, address: str, timeout_s: float = 120.0):
+        super().__init__(address, target_pb2_grpc.TargetServiceStub, timeout_s)
+
+    async def verify(self, session_id, prefix, new_tokens, block, sampling):
+        request = target_pb2.VerifyRequest(
+            session_id=session_id,
+            prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
+            new_tokens=new_tokens,
+            draft_tokens=block.tokens,
+            draft_probs=block.token_probs,
+            draft_distributions=block.distributions,
+            sampling=sampling_to_proto(sampling),
+        )
+        start = time.perf_counter()
+        try:
+            reply = await self.stub.Verify(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _translate(err) from None
+        return VerifyResult(
+            accepted=reply.accepted,
+            next_token=reply.next_token,
+            prefilled=reply.prefilled_tokens,
+            compute_ms=reply.compute_ms,
+            latency_ms=(time.perf_counter() - start) * 1e3,
+        )

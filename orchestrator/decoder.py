@@ -1,0 +1,252 @@
+"""Draft→verify rounds for one request, sequential or pipelined (DESIGN §3).
+
+The decoder yields the tokens each round commits. The caller stores them,
+applies the stop conditions and stops iterating when done; closing the
+generator cancels any speculative call still in flight.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from orchestrator.backends import DraftBlock, Prefix, Proposer, ServiceCacheMiss, Verifier, VerifyResult
+from orchestrator.policy import KPolicy
+from tandem import fingerprint
+from tandem.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    k_sum: int = 0
+    target_prefill: int = 0
+    draft_prefill: int = 0
+    cache_misses: int = 0
+    predraft_hits: int = 0
+    predraft_attempts: int = 0
+    overhead_ms: list[float] = field(default_factory=list)
+
+    def record(self, block: DraftBlock, result: VerifyResult) -> None:
+        k = len(block.tokens)
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += result.accepted
+        self.k_sum += k
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        for i in range(result.accepted):
+            self.accepted_per_position[i] += 1
+
+
+class Committed:
+    """A session's committed tokens with the fingerprint of every prefix."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = list(tokens)
+        self.fps = fingerprint.prefix_table(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def prefix(self, length: int, extra: list[int] = ()) -> Prefix:
+        fp = self.fps[length - 1] if length else fingerprint.EMPTY
+        return Prefix(length + len(extra), fingerprint.extend(fp, extra))
+
+    def extend(self, tokens: list[int]) -> None:
+        start = self.fps[-1] if self.fps else fingerprint.EMPTY
+        self.fps.extend(fingerprint.prefix_table(tokens, start))
+        self.tokens.extend(tokens)
+
+
+@dataclass
+class ServiceView:
+    """What a service is believed to hold: committed[:length] + tail (speculative)."""
+
+    length: int
+    tail: list[int] = field(default_factory=list)
+
+    def settle(self, committed_before: int, newly: list[int]) -> None:
+        """After `newly` was committed at committed_before: keep what still matches."""
+        if self.tail:
+            assert self.length == committed_before
+            common = 0
+            for held, new in zip(self.tail, newly):
+                if held != new:
+                    break
+                common += 1
+            self.length += common
+            self.tail = []
+        else:
+            self.length = min(self.length, committed_before)
+
+
+class Decoder:
+    def __init__(
+        self,
+        proposer: Proposer,
+        verifier: Verifier,
+        session_id: str,
+        committed: Committed,
+        draft_view: ServiceView,
+        target_view: ServiceView,
+        sampling: SamplingParams,
+        policy: KPolicy,
+        pipeline: bool,
+        max_context: int = 1 << 30,
+    ):
+        self.proposer = proposer
+        self.verifier = verifier
+        self.session_id = session_id
+        self.committed = committed
+        self.draft_view = draft_view
+        self.target_view = target_view
+        self.sampling = sampling
+        self.policy = policy
+        self.pipeline = pipeline
+        self.max_context = max_context
+        self.stats = RoundStats()
+
+    # --- service calls, with re-sync on cache miss ------------------------------
+    def _pending(self, view: ServiceView) -> int:
+        """The view's length, so that at least one committed token is sent."""
+        view.length = min(view.length, len(self.committed) - 1)
+        return view.length
+
+    def _room(self, k: int) -> int:
+        """k, less what would run past the context window in the verify."""
+        return max(0, min(k, self.max_context - len(self.committed) - 1))
+
+    async def _draft(self, k: int) -> DraftBlock:
+        k = self._room(k)
+        if k == 0:
+            return DraftBlock(tokens=[])  # a plain decoding step
+        for attempt in range(2):
+            base = self._pending(self.draft_view)
+            try:
+                block = await self.proposer.propose(
+                    self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling
+                )
+                break
+            except ServiceCacheMiss:
+                self.stats.cache_misses += 1
+                self.draft_view.length = 0
+                if attempt:
+                    raise
+        self.stats.draft_prefill += block.prefilled
+        self.draft_view.length = len(self.committed)
+        self.draft_view.tail = block.tokens[:-1]
+        return block
+
+    async def _verify(self, block: DraftBlock) -> VerifyResult:
+        for attempt in range(2):
+            base = self._pending(self.target_view)
+            try:
+                result = await self.verifier.verify(
+                    self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block, self.sampling
+                )
+                break
+            except ServiceCacheMiss:
+                self.stats.cache_misses += 1
+                self.target_view.length = 0
+                if attempt:
+                    raise
+        self.stats.target_prefill += result.prefilled
+        self.target_view.length = len(self.committed)
+        self.target_view.tail = block.tokens[: result.accepted]
+        return result
+
+    async def _predraft(self, block: DraftBlock, k: int) -> DraftBlock | None:
+        """Drafts the block after `block` + a guess of the bonus token, assuming all
+        of `block` is accepted. None when the draft lost its cache meanwhile."""
+        try:
+            return await self.proposer.propose(
+                self.session_id,
+                self.committed.prefix(len(self.committed), block.tokens[:-1]),
+                block.tokens[-1:],
+                k + 1,
+                self.sampling,
+                bonus_guess=True,
+            )
+        except ServiceCacheMiss:
+            log.debug("pre-draft of session %s missed", self.session_id)
+            return None
+
+    # --- the rounds ---------------------------------------------------------
+    def _commit(self, block: DraftBlock, result: VerifyResult) -> list[int]:
+        newly = block.tokens[: result.accepted] + [result.next_token]
+        before = len(self.committed)
+        self.committed.extend(newly)
+        self.draft_view.settle(before, newly)
+        self.target_view.settle(before, newly)
+        self.stats.record(block, result)
+        self.policy.observe(len(block.tokens), result.accepted, block.step_ms, result.compute_ms)
+        return newly
+
+    async def rounds(self) -> AsyncIterator[list[int]]:
+        """Yields the tokens committed by each round, forever; the caller stops.
+
+        overhead_ms of a round: its wall time (through the caller's handling of
+        the yielded tokens) minus the services' compute on the critical path."""
+        pre_task: asyncio.Task | None = None
+        next_block: DraftBlock | None = None
+        round_start = waited_ms = None
+        try:
+            while True:
+                now = time.perf_counter()
+                if round_start is not None:
+                    self.stats.overhead_ms.append((now - round_start) * 1e3 - waited_ms)
+                round_start, waited_ms = now, 0.0
+                if next_block is None:
+                    block = await self._draft(self.policy.k)
+                    waited_ms += block.compute_ms
+                else:
+                    block = next_block
+                if self.pipeline and block.tokens and self._room(len(block.tokens) + self.policy.k + 1):
+                    pre_task = asyncio.create_task(self._predraft(block, self.policy.k))
+                    self.stats.predraft_attempts += 1
+                result = await self._verify(block)
+                waited_ms += result.compute_ms
+                newly = self._commit(block, result)
+                next_block = None
+                if pre_task is not None:
+                    wait_start = time.perf_counter()
+                    next_block = await self._take_predraft(pre_task, block, result)
+                    waited_ms += (time.perf_counter() - wait_start) * 1e3
+                    pre_task = None
+                yield newly
+        finally:
+            if pre_task is not None:
+                await _cancel(pre_task)
+
+    async def _take_predraft(self, task: asyncio.Task, block: DraftBlock, result: VerifyResult) -> DraftBlock | None:
+        """The pre-drafted block if the target took all of `block` and its bonus
+        token is the guess; otherwise None, and the draft crops on its next call."""
+        if result.accepted < len(block.tokens):
+            await _cancel(task)
+            return None
+        pre = await task
+        if pre is None:
+            return None
+        self.stats.draft_prefill += pre.prefilled
+        # The draft now holds committed[:-1] + pre.tokens[:-1].
+        if pre.tokens[0] == result.next_token and len(pre.tokens) > 1:
+            self.stats.predraft_hits += 1
+            self.draft_view = ServiceView(len(self.committed), pre.tokens[1:-1])
+            return pre.drop_first()
+        self.draft_view = ServiceView(len(self.committed) - 1)
+        return None
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

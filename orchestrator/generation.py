@@ -1,0 +1,167 @@
+"""One request: commit the new turn, run rounds, apply the stop conditions,
+commit and stream what each round produced, and report the stats."""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from orchestrator.backends import Proposer, Verifier
+from orchestrator.decoder import Committed, Decoder, ServiceView
+from orchestrator.policy import KPolicy, KPolicyConfig
+from orchestrator.store import SessionRecord, SessionStore
+from orchestrator.text import Detokenizer, find_stop
+from tandem.sampling import SamplingParams
+from tandem.v1 import tandem_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Per-request settings, checked on construction (ValueError → INVALID_ARGUMENT)."""
+
+    sampling: SamplingParams
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    k: int = 0  # 0 = the server's policy
+    pipeline: bool | None = None  # None = the server's setting
+
+    def __post_init__(self):
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.k < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {self.k}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    policy: KPolicyConfig = field(default_factory=KPolicyConfig)
+    pipeline: bool = True
+    max_context: int = 32768
+
+
+@dataclass
+class TurnOutcome:
+    """Filled in by Generation.run: what the turn produced."""
+
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+def _event_delta(ids: list[int], text: str) -> tandem_pb2.GenerateEvent:
+    return tandem_pb2.GenerateEvent(delta=tandem_pb2.TokenDelta(token_ids=ids, text=text))
+
+
+class Generation:
+    def __init__(self, proposer: Proposer, verifier: Verifier, store: SessionStore, tokenizer,
+                 eos_ids: set[int], config: EngineConfig):
+        self.proposer = proposer
+        self.verifier = verifier
+        self.store = store
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.config = config
+
+    def policy_for(self, params: RequestParams, pipeline: bool) -> KPolicy:
+        cfg = self.config.policy
+        if params.k:
+            k = min(params.k, cfg.k_max)
+            cfg = KPolicyConfig(k=k, k_min=min(cfg.k_min, k), k_max=cfg.k_max, adaptive=False, ema=cfg.ema)
+        return KPolicy(cfg, pipelined=pipeline)
+
+    async def run(self, record: SessionRecord, turn: list[int], params: RequestParams,
+                  outcome: TurnOutcome | None = None) -> AsyncIterator:
+        """Streams GenerateEvents; the last one is the Completion. The caller holds
+        the session lock and has validated the context length."""
+        started = time.perf_counter()
+        await self.store.append_tokens(record, turn)  # the turn is committed first
+        pipeline = self.config.pipeline if params.pipeline is None else params.pipeline
+        committed = Committed(record.tokens)
+        decoder = Decoder(
+            self.proposer, self.verifier, record.session_id, committed,
+            ServiceView(record.draft_len), ServiceView(record.target_len),
+            params.sampling, self.policy_for(params, pipeline), pipeline, self.config.max_context,
+        )
+        detok = Detokenizer(self.tokenizer)
+        completion: list[int] = []
+        finish = tandem_pb2.FINISH_REASON_UNSPECIFIED
+        first_token_ms = 0.0
+        room = self.config.max_context - len(record.tokens)
+        rounds = decoder.rounds()
+        try:
+            async for newly in rounds:
+                keep, finish = self._cut(newly, completion, detok, params, room)
+                if keep:
+                    await self.store.append_tokens(record, keep)
+                    completion.extend(keep)
+                    emitted = len(detok.text)
+                    text = detok.add(keep)
+                    if finish == tandem_pb2.FINISH_REASON_STOP:
+                        text = _before_stop(detok.full_text(), params.stop)[emitted:]
+                    if not first_token_ms:
+                        first_token_ms = (time.perf_counter() - started) * 1e3
+                    yield _event_delta(keep, text)
+                if finish != tandem_pb2.FINISH_REASON_UNSPECIFIED:
+                    break
+        finally:
+            await rounds.aclose()
+            # Services may hold more than was committed; they crop on the next call.
+            record.draft_len = min(decoder.draft_view.length, len(record.tokens))
+            record.target_len = min(decoder.target_view.length, len(record.tokens))
+            await self.store.save_meta(record)
+        stats = decoder.stats
+        yield tandem_pb2.GenerateEvent(final=tandem_pb2.Completion(
+            finish_reason=finish,
+            usage=tandem_pb2.Usage(prompt_tokens=len(turn), completion_tokens=len(completion)),
+            session_id=record.session_id,
+            stats=tandem_pb2.SpeculationStats(
+                rounds=stats.rounds,
+                drafted_tokens=stats.drafted,
+                accepted_tokens=stats.accepted,
+                accepted_per_position=stats.accepted_per_position,
+                k=decoder.policy.k,
+                mean_k=stats.k_sum / stats.rounds if stats.rounds else 0.0,
+                target_prefill_tokens=stats.target_prefill,
+                draft_prefill_tokens=stats.draft_prefill,
+                cache_misses=stats.cache_misses,
+                predraft_hits=stats.predraft_hits,
+                predraft_attempts=stats.predraft_attempts,
+                seed=params.sampling.seed,
+                total_ms=(time.perf_counter() - started) * 1e3,
+                first_token_ms=first_token_ms,
+                overhead_ms_p50=statistics.median(stats.overhead_ms) if stats.overhead_ms else 0.0,
+            ),
+        ))
+        if outcome is not None:
+            outcome.ids = completion
+            outcome.text = detok.full_text()
+            if finish == tandem_pb2.FINISH_REASON_STOP:
+                outcome.text = _before_stop(outcome.text, params.stop)
+
+    def _cut(self, newly, completion, detok, params, room):
+        """The part of a round's tokens to commit, and the finish reason it causes."""
+        budget = min(params.max_tokens - len(completion), room - len(completion))
+        for i, token in enumerate(newly):
+            if i >= budget:
+                reason = (tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens - len(completion) <= budget
+                          else tandem_pb2.FINISH_REASON_CONTEXT)
+                return newly[:i], reason
+            if token in self.eos_ids:
+                return newly[: i + 1], tandem_pb2.FINISH_REASON_EOS
+            if params.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(completion + newly[: i + 1], skip_special_tokens=True)
+                if find_stop(text, list(params.stop)) >= 0:
+                    return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP
+        if len(newly) == budget:
+            reason = (tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens - len(completion) <= budget
+                      else tandem_pb2.FINISH_REASON_CONTEXT)
+            return newly, reason
+        return newly, tandem_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def _before_stop(text: str, stops) -> str:
+    cut = find_stop(text, list(stops))
+    return text[:cut] if cut >= 0 else text

@@ -1,0 +1,68 @@
+"""Draft length policy: a fixed k, or an adaptive k chosen per session from the
+measured acceptance and the measured costs of a draft step and a verify."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    """Leviathan et al. (2023): τ = (1 − α^(k+1)) / (1 − α)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+@dataclass(frozen=True)
+class KPolicyConfig:
+    k: int = 4  # the fixed k, and the adaptive policy's start
+    k_min: int = 1
+    k_max: int = 8
+    adaptive: bool = True
+    ema: float = 0.3  # weight of the newest observation
+
+    def __post_init__(self):
+        if not 1 <= self.k_min <= self.k <= self.k_max:
+            raise ValueError(f"need 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+        if not 0 < self.ema <= 1:
+            raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+
+
+class KPolicy:
+    """Tracks α, t_draft and t_verify as EMAs and picks k maximizing tokens per second."""
+
+    def __init__(self, config: KPolicyConfig, pipelined: bool):
+        self.config = config
+        self.pipelined = pipelined
+        self.alpha: float | None = None
+        self.draft_step_ms: float | None = None
+        self.verify_ms: float | None = None
+        self.k = config.k
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.config.ema) * old + self.config.ema * new
+
+    def observe(self, drafted: int, accepted: int, draft_step_ms: float, verify_ms: float) -> None:
+        if drafted:
+            trials = accepted + (1 if accepted < drafted else 0)
+            self.alpha = self._ema(self.alpha, accepted / trials)
+        if draft_step_ms > 0:
+            self.draft_step_ms = self._ema(self.draft_step_ms, draft_step_ms)
+        if verify_ms > 0:
+            self.verify_ms = self._ema(self.verify_ms, verify_ms)
+        if self.config.adaptive:
+            self.k = self.best_k()
+
+    def round_ms(self, k: int) -> float:
+        t_draft, t_verify, alpha = self.draft_step_ms, self.verify_ms, self.alpha
+        if not self.pipelined:
+            return k * t_draft + t_verify
+        # The next block is pre-drafted during the verify. It is used when all k
+        # pass and the bonus is guessed (≈ α^(k+1)); else the draft restarts.
+        hit = alpha ** (k + 1)
+        return t_verify + hit * max(0.0, (k + 1) * t_draft - t_verify) + (1 - hit) * k * t_draft
+
+    def best_k(self) -> int:
+        if self.alpha is None or self.draft_step_ms is None or self.verify_ms is None:
+            return self.k
+        candidates = range(self.config.k_min, self.config.k_max + 1)
+        return max(candidates, key=lambda k: expected_tokens_per_round(self.alpha, k) / self.round_ms(k))

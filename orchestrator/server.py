@@ -1,0 +1,280 @@
+"""gRPC face of the orchestrator: checks requests, owns sessions, runs Generation."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass, field
+
+import grpc
+
+from orchestrator.backends import GrpcProposer, GrpcVerifier, ServiceUnavailable
+from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
+from orchestrator.policy import KPolicyConfig
+from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
+from orchestrator.text import ChatTemplate
+from tandem import serving
+from tandem.modeling import load_tokenizer, tokenizer_fingerprint
+from tandem.sampling import SamplingParams
+from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+TENANT_KEY = "x-tandem-tenant"
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    draft_address: str
+    target_address: str
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    tokenizer: str = ""  # path or hub id; "" = the target's model, "none" = token ids only
+    policy: KPolicyConfig = field(default_factory=KPolicyConfig)
+    pipeline: bool = True
+    default_max_tokens: int = 128
+    session_ttl_s: int = 3600
+    service_timeout_s: float = 120.0
+
+    def __post_init__(self):
+        if self.default_max_tokens < 1 or self.session_ttl_s < 1:
+            raise ValueError("default_max_tokens and session_ttl_s must be >= 1")
+
+
+class PairingError(RuntimeError):
+    pass
+
+
+class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
+    def __init__(self, config: OrchestratorConfig):
+        self.config = config
+        self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s)
+        self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s)
+        self.store = SessionStore(config.redis_url, config.session_ttl_s)
+        self.tokenizer = None
+        self.template = ChatTemplate(None)
+        self.generation: Generation | None = None
+        self.draft_info = self.target_info = None
+        self.pair_error: str | None = None
+
+    async def connect(self, wait_s: float = 0.0) -> None:
+        """Checks Redis and pairs the two model services (retrying up to wait_s).
+        Raises PairingError when their tokenizers differ."""
+        await self.store.ping()
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                self.draft_info = await self.proposer.model_info()
+                self.target_info = await self.verifier.model_info()
+                break
+            except ServiceUnavailable as err:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.info("waiting for the model services (%s)", err)
+                await asyncio.sleep(1.0)
+        draft, target = self.draft_info, self.target_info
+        if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+            self.pair_error = (
+                f"draft {draft.model_id!r} and target {target.model_id!r} do not share a tokenizer "
+                f"(fingerprints {draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]})"
+            )
+            raise PairingError(self.pair_error)
+        self._load_tokenizer(target)
+        self.generation = Generation(
+            self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
+            EngineConfig(self.config.policy, self.config.pipeline, target.max_context),
+        )
+        self.pair_error = None
+        log.info("paired draft %s (%s) with target %s", draft.model_id, draft.backend, target.model_id)
+
+    def _load_tokenizer(self, target) -> None:
+        source = self.config.tokenizer or target.model_id
+        if source == "none":
+            return
+        from tandem.default_models import resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(source))
+        if tokenizer is not None and tokenizer_fingerprint(tokenizer, target.vocab_size) != target.tokenizer_fingerprint:
+            raise PairingError(f"tokenizer {source!r} does not match the target model's")
+        self.tokenizer = tokenizer
+        self.template = ChatTemplate(tokenizer)
+
+    # --- request checks -----------------------------------------------------------
+    async def _ready(self, context) -> Generation:
+        if self.pair_error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.pair_error)
+        if self.generation is None:
+            try:
+                await self.connect()
+            except PairingError as err:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            except ServiceUnavailable as err:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"model services unavailable: {err}")
+        return self.generation
+
+    @staticmethod
+    def _tenant(context) -> str:
+        for key, value in context.invocation_metadata() or ():
+            if key == TENANT_KEY and value:
+                return value
+        return DEFAULT_TENANT
+
+    def _params(self, msg: tandem_pb2.GenerationParams) -> RequestParams:
+        seed = msg.seed if msg.HasField("seed") else random.getrandbits(63)
+        sampling = SamplingParams(
+            temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            top_k=msg.top_k if msg.HasField("top_k") else 0,
+            seed=seed,
+        )
+        return RequestParams(
+            sampling=sampling,
+            max_tokens=msg.max_tokens if msg.HasField("max_tokens") else self.config.default_max_tokens,
+            stop=tuple(msg.stop),
+            k=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else 0,
+            pipeline=msg.pipeline if msg.HasField("pipeline") else None,
+        )
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.target_info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, and the model has none: send token ids")
+
+    # --- rpcs ----------------------------------------------------------------------
+    async def Generate(self, request, context):
+        generation = await self._ready(context)
+        tenant = self._tenant(context)
+        try:
+            params = self._params(request.params)
+            if request.WhichOneof("prompt") == "text":
+                self._need_tokenizer("a text prompt")
+                prompt = self.tokenizer.encode(request.text)
+            else:
+                prompt = self._check_ids(list(request.token_ids.ids))
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            self._check_room(0, len(prompt), params)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        session_id = await self.store.create(tenant)
+        record = await self.store.load(tenant, session_id)
+        try:
+            async for event in self._stream(context, generation, record, prompt, params):
+                yield event
+        finally:
+            if not request.keep_session:
+                await self._delete(tenant, session_id)
+
+    async def CreateSession(self, request, context):
+        await self._ready(context)
+        messages = [{"role": "system", "content": request.system_prompt}] if request.system_prompt else []
+        session_id = await self.store.create(self._tenant(context), messages, request.ttl_seconds)
+        return tandem_pb2.Session(session_id=session_id, committed_tokens=0)
+
+    async def Chat(self, request, context):
+        generation = await self._ready(context)
+        tenant = self._tenant(context)
+        record = await self._load(context, tenant, request.session_id)
+        user = None
+        try:
+            params = self._params(request.params)
+            if request.WhichOneof("turn") == "user_message":
+                if not request.user_message:
+                    raise ValueError("the user message is empty")
+                self._need_tokenizer("a text message")
+                if not self.template.available:
+                    raise ValueError("the model has no chat template: send user_token_ids")
+                user = {"role": "user", "content": request.user_message}
+                if record.tokens:
+                    turn = self.template.next_turn(record.messages, user, record.tokens)
+                else:
+                    turn = self.template.first_turn([*record.messages, user])
+            else:
+                turn = self._check_ids(list(request.user_token_ids.ids))
+                if not turn:
+                    raise ValueError("the new turn is empty")
+            self._check_room(len(record.tokens), len(turn), params)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        outcome = TurnOutcome()
+        async for event in self._stream(context, generation, record, turn, params, outcome):
+            yield event
+        if user is not None:
+            record.messages += [user, {"role": "assistant", "content": outcome.text}]
+            await self.store.save_meta(record)
+
+    async def DeleteSession(self, request, context):
+        tenant = self._tenant(context)
+        await self._load(context, tenant, request.session_id)
+        deleted = await self._delete(tenant, request.session_id)
+        return tandem_pb2.DeleteSessionReply(deleted=deleted)
+
+    async def GetServerInfo(self, request, context):
+        await self._ready(context)
+        policy = self.config.policy
+        return tandem_pb2.ServerInfo(
+            target_model=self.target_info.model_id,
+            draft_model=self.draft_info.model_id,
+            draft_backend=self.draft_info.backend,
+            max_context=self.target_info.max_context,
+            k=policy.k, k_min=policy.k_min, k_max=policy.k_max, adaptive_k=policy.adaptive,
+            pipeline=self.config.pipeline,
+            has_tokenizer=self.tokenizer is not None,
+        )
+
+    # --- helpers ---------------------------------------------------------------------
+    def _check_room(self, committed: int, turn: int, params: RequestParams) -> None:
+        limit = self.target_info.max_context
+        if committed + turn + params.max_tokens > limit:
+            raise ValueError(
+                f"{committed} committed + {turn} new + max_tokens {params.max_tokens} tokens exceed "
+                f"the context window of {limit}"
+            )
+
+    async def _load(self, context, tenant: str, session_id: str):
+        try:
+            return await self.store.load(tenant, session_id)
+        except SessionNotFound as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+        except SessionForbidden as err:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+
+    async def _stream(self, context, generation, record, turn, params, outcome=None):
+        try:
+            async with self.store.lock(record):
+                async for event in generation.run(record, turn, params, outcome):
+                    yield event
+        except SessionBusy as err:
+            await context.abort(grpc.StatusCode.ABORTED, str(err))
+        except ServiceUnavailable as err:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"a model service failed mid-generation ({err}); the tokens streamed so far are committed",
+            )
+
+    async def _delete(self, tenant: str, session_id: str) -> bool:
+        deleted = await self.store.delete(tenant, session_id)
+        await asyncio.gather(self.proposer.release(session_id), self.verifier.release(session_id))
+        return deleted
+
+    async def close(self) -> None:
+        await asyncio.gather(self.proposer.close(), self.verifier.close(), self.store.close())
+
+
+def build_server(address: str, config: OrchestratorConfig):
+    """Returns (server, port, health, servicer); the caller starts the server and
+    may await servicer.connect() first."""
+    servicer = OrchestratorServicer(config)
+
+    def register(server):
+        tandem_pb2_grpc.add_TandemServicer_to_server(servicer, server)
+        return SERVICE_NAME
+
+    server, port, health = serving.create_server(address, [register])
+    return server, port, health, servicer

@@ -1,0 +1,79 @@
+"""Text handling, the only place where text becomes token ids and back:
+incremental detokenization, stop strings and chat-template turns."""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class Detokenizer:
+    """Turns a growing list of completion token ids into text deltas, holding
+    back an incomplete multi-byte character until it is complete."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # text emitted so far
+
+    def full_text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        if self.tokenizer is None:
+            return ""
+        text = self.full_text()
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.text):] if text.startswith(self.text) else text
+        self.text = text
+        return delta
+
+
+def find_stop(text: str, stops: list[str], search_from: int = 0) -> int:
+    """Index in text where the earliest stop string starts, or -1."""
+    hits = [i for i in (text.find(s, max(0, search_from - len(s))) for s in stops if s) if i >= 0]
+    return min(hits) if hits else -1
+
+
+class ChatTemplate:
+    """Renders turns with the model's chat template, so that a new turn becomes
+    only the tokens that follow the committed ones."""
+
+    SENTINEL = "\u2063TANDEM\u2063"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @property
+    def available(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def first_turn(self, messages: list[dict]) -> list[int]:
+        return self._encode(self._render(messages, add_generation_prompt=True))
+
+    def next_turn(self, history: list[dict], user: dict, ended_with: list[int]) -> list[int]:
+        """Tokens after the committed ones for a new user turn. `history` ends with
+        the assistant reply, whose generated ids end with `ended_with`."""
+        before = self._render(history, add_generation_prompt=False)
+        after = self._render([*history, user], add_generation_prompt=True)
+        if not after.startswith(before):
+            log.warning("chat template does not extend the previous turn; re-encoding the new turn")
+        delta = after[len(before):] if after.startswith(before) else after
+        # What the template puts after an assistant reply (e.g. "<|im_end|>\n"),
+        # less what generation already produced (the end-of-turn token).
+        probe = self._render([*history[:-1], {"role": "assistant", "content": self.SENTINEL}], False)
+        closing = probe[probe.rfind(self.SENTINEL) + len(self.SENTINEL):]
+        produced = self.tokenizer.decode(ended_with[-1:]) if ended_with else ""
+        if produced and closing.startswith(produced):
+            closing = closing[len(produced):]
+        return self._encode(closing + delta)

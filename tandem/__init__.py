@@ -1,0 +1,1 @@
+"""Tandem: distributed, pipelined, lossless speculative decoding."""

@@ -1,0 +1,222 @@
+"""The `tandem` command line. Flags and environment variables are read here only."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+DEFAULT_ORCHESTRATOR = "127.0.0.1:50051"
+DEFAULT_TARGET = "127.0.0.1:50052"
+DEFAULT_DRAFT = "127.0.0.1:50053"
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def _add_model_flags(p, default_model: str, default_port: int) -> None:
+    p.add_argument("--model", default=default_model,
+                   help="local directory, hub id, or default-target / default-draft (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="weights and compute dtype (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
+    p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")
+    p.add_argument("--session-ttl", type=float, default=3600, help="drop caches idle this many seconds")
+
+
+def _add_sampling_flags(p) -> None:
+    p.add_argument("--address", default=os.environ.get("TANDEM_ADDRESS", DEFAULT_ORCHESTRATOR),
+                   help="orchestrator address (default: $TANDEM_ADDRESS or %(default)s)")
+    p.add_argument("--tenant", default=None, help="tenant id sent as x-tandem-tenant")
+    p.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (server default 128)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="keep the top-k tokens; 0 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per round (default: the server's policy)")
+    p.add_argument("--pipeline", choices=["on", "off"], default=None, help="override the server's pipelining")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
+
+
+def _sampling_kwargs(args) -> dict:
+    return dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
+        pipeline=None if args.pipeline is None else args.pipeline == "on",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Distributed, pipelined, lossless speculative decoding.")
+    parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"), help="logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start a service").add_subparsers(dest="role", required=True)
+    target = serve.add_parser("target", help="the target model service")
+    _add_model_flags(target, "default-target", 50052)
+    draft = serve.add_parser("draft", help="the draft service")
+    _add_model_flags(draft, "default-draft", 50053)
+    draft.add_argument("--backend", default="model", choices=["model", "ngram", "ngram+model"],
+                       help="draft backend: a model, prompt lookup (n-gram), or n-gram first then the model")
+    draft.add_argument("--vocab-subset", type=int, default=0,
+                       help="score only the N most frequent tokens in the draft head (FR-Spec); 0 = full vocabulary")
+    draft.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by prompt lookup")
+    orch = serve.add_parser("orchestrator", help="the public API server")
+    orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")
+    orch.add_argument("--draft", default=DEFAULT_DRAFT, help="draft service address (default: %(default)s)")
+    orch.add_argument("--target", default=DEFAULT_TARGET, help="target service address (default: %(default)s)")
+    orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                      help="Redis for sessions (default: $REDIS_URL or %(default)s)")
+    orch.add_argument("--tokenizer", default="", help="tokenizer path or hub id; default the target's; 'none' = ids only")
+    orch.add_argument("--k", type=int, default=4, help="draft tokens per round, and the adaptive start")
+    orch.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
+    orch.add_argument("--k-max", type=int, default=8, help="adaptive k upper bound")
+    orch.add_argument("--adaptive-k", choices=["on", "off"], default="on", help="choose k per session from measurements")
+    orch.add_argument("--pipeline", choices=["on", "off"], default="on", help="draft the next block during verification")
+    orch.add_argument("--max-tokens", type=int, default=128, help="default max_tokens of a request")
+    orch.add_argument("--session-ttl", type=int, default=3600, help="idle session lifetime, seconds")
+    orch.add_argument("--wait", type=float, default=600, help="seconds to wait for the model services at start")
+
+    gen = sub.add_parser("generate", help="stream a completion of a prompt")
+    gen.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    gen.add_argument("--prompt-ids", type=_ids, default=None, help="prompt as comma-separated token ids")
+    _add_sampling_flags(gen)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat")
+    chat.add_argument("--system", default="", help="system prompt")
+    _add_sampling_flags(chat)
+
+    models = sub.add_parser("models", help="fetch and convert the default model pair")
+    models.add_argument("--which", choices=["target", "draft", "both"], default="both")
+    return parser
+
+
+def _serve(args) -> None:
+    from tandem import serving
+    from tandem.model_service import CacheConfig
+    from tandem.modeling import ModelConfig
+
+    address = f"{args.host}:{args.port}"
+
+    async def run():
+        if args.role == "orchestrator":
+            from orchestrator.policy import KPolicyConfig
+            from orchestrator.server import OrchestratorConfig, build_server
+
+            config = OrchestratorConfig(
+                draft_address=args.draft, target_address=args.target, redis_url=args.redis_url,
+                tokenizer=args.tokenizer,
+                policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
+                pipeline=args.pipeline == "on", default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
+            )
+            server, port, health, servicer = build_server(address, config)
+            await servicer.connect(wait_s=args.wait)
+            name = "tandem.v1.Tandem"
+        else:
+            model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+            cache = CacheConfig(budget_mb=args.cache_mb, session_ttl_s=args.session_ttl)
+            if args.role == "target":
+                from target_service.server import SERVICE_NAME as name, build_server
+
+                server, port, health, _ = build_server(address, model, cache)
+            else:
+                from draft_service.server import SERVICE_NAME as name, DraftOptions, build_server
+
+                options = DraftOptions(backend=args.backend, vocab_subset=args.vocab_subset, ngram_max=args.ngram_max)
+                server, port, health, _ = build_server(address, model, cache, options)
+        await server.start()
+        await serving.set_serving(health, [name], True)
+        logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
+        print(f"READY {args.role} {args.host}:{port}", flush=True)
+        await serving.run_until_signalled(server, health, [name])
+
+    asyncio.run(run())
+
+
+def _print_result(result, args) -> None:
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return
+    s = result.stats
+    print(
+        f"\n[{result.finish_reason}] {result.completion_tokens} tokens, {s.rounds} rounds, "
+        f"acceptance {result.acceptance_rate:.2f}, {s.total_ms / 1e3:.1f}s "
+        f"({result.completion_tokens / max(s.total_ms / 1e3, 1e-9):.1f} tok/s)",
+        file=sys.stderr,
+    )
+
+
+def _generate(args) -> int:
+    from tandem.client import TandemClient, collect
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        print("tandem generate: give a prompt or --prompt-ids (one of them)", file=sys.stderr)
+        return 2
+    with TandemClient(args.address, tenant=args.tenant) as client:
+        stream = client.generate_stream(args.prompt, args.prompt_ids, **_sampling_kwargs(args))
+        show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
+        result = collect(stream, on_delta=show)
+    _print_result(result, args)
+    return 0
+
+
+def _chat(args) -> int:
+    from tandem.client import TandemClient, collect
+
+    with TandemClient(args.address, tenant=args.tenant) as client:
+        session = client.create_session(system_prompt=args.system)
+        print(f"session {session}; an empty line or Ctrl-D ends the chat", file=sys.stderr)
+        try:
+            while True:
+                try:
+                    message = input("you> ")
+                except EOFError:
+                    break
+                if not message.strip():
+                    break
+                if not args.json:
+                    print("assistant> ", end="", flush=True)
+                show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
+                result = collect(client.chat_stream(session, message, **_sampling_kwargs(args)), on_delta=show)
+                _print_result(result, args)
+        finally:
+            client.delete_session(session)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import grpc
+
+    try:
+        if args.command == "serve":
+            _serve(args)
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            return _chat(args)
+        if args.command == "models":
+            from tandem.default_models import main as fetch
+
+            return fetch(["--which", args.which]) or 0
+    except grpc.RpcError as err:
+        print(f"tandem: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

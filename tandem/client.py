@@ -1,0 +1,123 @@
+"""Python client of the public Tandem API (synchronous, streaming)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+
+from tandem.serving import CHANNEL_OPTIONS
+from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+FINISH_REASONS = {
+    tandem_pb2.FINISH_REASON_EOS: "eos",
+    tandem_pb2.FINISH_REASON_LENGTH: "length",
+    tandem_pb2.FINISH_REASON_STOP: "stop",
+    tandem_pb2.FINISH_REASON_CONTEXT: "context",
+}
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    session_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    stats: tandem_pb2.SpeculationStats | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        s = self.stats
+        return s.accepted_tokens / s.drafted_tokens if s and s.drafted_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        from google.protobuf.json_format import MessageToDict
+
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "session_id": self.session_id,
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "stats": MessageToDict(self.stats, preserving_proto_field_name=True) if self.stats else {},
+            "acceptance_rate": self.acceptance_rate,
+        }
+
+
+def params_message(**kwargs) -> tandem_pb2.GenerationParams:
+    """GenerationParams from keyword arguments; None values stay unset."""
+    return tandem_pb2.GenerationParams(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+class TandemClient:
+    def __init__(self, address: str, tenant: str | None = None, timeout_s: float | None = None):
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = tandem_pb2_grpc.TandemStub(self.channel)
+        self.metadata = (("x-tandem-tenant", tenant),) if tenant else ()
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request, stream=False):
+        return method(request, metadata=self.metadata, timeout=self.timeout_s)
+
+    def generate_stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None,
+                        keep_session: bool = False, **params) -> Iterator[tandem_pb2.GenerateEvent]:
+        request = tandem_pb2.GenerateRequest(params=params_message(**params), keep_session=keep_session)
+        if prompt_ids is not None:
+            request.token_ids.ids.extend(prompt_ids)
+        else:
+            request.text = prompt or ""
+        return self._call(self.stub.Generate, request)
+
+    def generate(self, *args, **kwargs) -> Result:
+        return collect(self.generate_stream(*args, **kwargs))
+
+    def create_session(self, system_prompt: str = "", ttl_seconds: int = 0) -> str:
+        request = tandem_pb2.CreateSessionRequest(system_prompt=system_prompt, ttl_seconds=ttl_seconds)
+        return self._call(self.stub.CreateSession, request).session_id
+
+    def chat_stream(self, session_id: str, message: str | None = None, message_ids: list[int] | None = None,
+                    **params) -> Iterator[tandem_pb2.GenerateEvent]:
+        request = tandem_pb2.ChatRequest(session_id=session_id, params=params_message(**params))
+        if message_ids is not None:
+            request.user_token_ids.ids.extend(message_ids)
+        else:
+            request.user_message = message or ""
+        return self._call(self.stub.Chat, request)
+
+    def chat(self, *args, **kwargs) -> Result:
+        return collect(self.chat_stream(*args, **kwargs))
+
+    def delete_session(self, session_id: str) -> bool:
+        return self._call(self.stub.DeleteSession, tandem_pb2.DeleteSessionRequest(session_id=session_id)).deleted
+
+    def server_info(self) -> tandem_pb2.ServerInfo:
+        return self._call(self.stub.GetServerInfo, tandem_pb2.GetServerInfoRequest())
+
+
+def collect(events, on_delta=None) -> Result:
+    result = Result()
+    for event in events:
+        if event.HasField("delta"):
+            result.token_ids.extend(event.delta.token_ids)
+            result.text += event.delta.text
+            if on_delta is not None:
+                on_delta(event.delta)
+        else:
+            final = event.final
+            result.finish_reason = FINISH_REASONS.get(final.finish_reason, "unspecified")
+            result.session_id = final.session_id
+            result.prompt_tokens = final.usage.prompt_tokens
+            result.completion_tokens = final.usage.completion_tokens
+            result.stats = final.stats
+    return result

@@ -1,0 +1,108 @@
+"""What the draft and target services have in common: configuration, the
+session cache store, the model worker, request checks and the shared rpcs
+(GetModelInfo, ReleaseSession, GetStats)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from tandem import serving
+from tandem.modeling import LoadedModel
+from tandem.session_cache import SessionCacheStore
+from tandem.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    budget_mb: int = 4096  # KV bytes for all sessions; 0 = unbounded
+    session_ttl_s: float = 3600.0  # idle sessions are dropped after this; 0 = never
+
+    def __post_init__(self):
+        if self.budget_mb < 0 or self.session_ttl_s < 0:
+            raise ValueError("cache budget and TTL must be >= 0")
+
+
+class InvalidRequest(ValueError):
+    """Bad input: answered with INVALID_ARGUMENT."""
+
+
+class ModelServiceBase:
+    """Holds the store and worker; subclasses add Propose or Verify."""
+
+    backend = "model"
+
+    def __init__(self, info: LoadedModel | None, store: SessionCacheStore, worker_name: str):
+        self.info = info
+        self.store = store
+        self.worker = serving.ModelWorker(worker_name)
+        self.prefill_tokens = 0
+        self.calls = 0
+
+    # --- checks ---------------------------------------------------------------
+    def check_tokens(self, request_tokens, what: str, vocab_size: int) -> list[int]:
+        tokens = list(request_tokens)
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
+        return tokens
+
+    def check_session(self, request) -> None:
+        if not request.session_id:
+            raise InvalidRequest("session_id is empty")
+        if not request.new_tokens:
+            raise InvalidRequest("new_tokens is empty: a call must bring at least the last committed token")
+
+    def check_context(self, total: int) -> None:
+        if self.info is not None and total > self.info.max_context:
+            raise InvalidRequest(f"{total} tokens exceed the model's context window of {self.info.max_context}")
+
+    async def run_checked(self, context, fn, *args, cancelled=None):
+        """Runs fn on the model worker and maps failures to status codes."""
+        from tandem.session_cache import CacheMiss
+
+        self.calls += 1
+        try:
+            return await self.worker.run(fn, *args, cancelled=cancelled)
+        except CacheMiss as miss:
+            await serving.abort_cache_miss(context, miss)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    # --- shared rpcs -----------------------------------------------------------
+    def model_info(self) -> common_pb2.ModelInfo:
+        info = self.info
+        return common_pb2.ModelInfo(
+            model_id=info.model_id,
+            tokenizer_fingerprint=info.tokenizer_fingerprint,
+            vocab_size=info.vocab_size,
+            max_context=info.max_context,
+            dtype=str(next(info.model.parameters()).dtype).removeprefix("torch."),
+            device=str(next(info.model.parameters()).device),
+            backend=self.backend,
+            eos_token_ids=list(info.eos_token_ids),
+        )
+
+    async def GetModelInfo(self, request, context):
+        return self.model_info()
+
+    async def ReleaseSession(self, request, context):
+        released = await self.worker.run(self.store.release, request.session_id)
+        return common_pb2.ReleaseSessionReply(released=released)
+
+    async def GetStats(self, request, context):
+        counters = self.store.counters
+        return common_pb2.ServiceStats(
+            sessions=len(self.store),
+            cache_bytes=await self.worker.run(self.store.total_bytes),
+            cache_budget_bytes=self.store.budget_bytes,
+            evictions=counters.evictions,
+            cache_misses=counters.misses,
+            cache_hits=counters.hits,
+            prefill_tokens=self.prefill_tokens,
+            calls=self.calls,
+            queue_depth=self.worker.queue_depth,
+        )

@@ -1,0 +1,122 @@
+"""Loading a Hugging Face causal LM and running it on a KV cache.
+
+Both model services use this module: it is the only place that touches
+transformers' model classes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where a model service's model comes from and where it runs."""
+
+    model: str  # local directory, hub id, or an alias of tandem.default_models
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object | None  # a transformers tokenizer, or None
+    model_id: str
+    tokenizer_fingerprint: str
+    vocab_size: int  # rows of the output layer
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load(config: ModelConfig) -> LoadedModel:
+    from tandem.default_models import resolve_model
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    path = resolve_model(config.model)
+    log.info("loading %s (%s, %s)", path, config.device, config.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.dtype])
+    model.to(config.device).eval()
+    tokenizer = load_tokenizer(path)
+    vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=config.model,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, vocab_size),
+        vocab_size=vocab_size,
+        max_context=int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20),
+        eos_token_ids=eos_token_ids(model),
+    )
+
+
+def load_tokenizer(path: str):
+    """The model's tokenizer, or None for a model saved without one."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        log.info("no tokenizer at %s (%s): token ids only", path, err.__class__.__name__)
+        return None
+
+
+def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:
+    """Equal for two models whose token ids mean the same text."""
+    if tokenizer is None:
+        identity = {"vocab_size": vocab_size}
+    else:
+        identity = {
+            "vocab": sorted(tokenizer.get_vocab().items()),
+            "special": sorted(map(str, tokenizer.all_special_tokens)),
+        }
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
+
+
+def eos_token_ids(model) -> tuple[int, ...]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+class ModelRunner:
+    """Runs new tokens through the model on a session's KV cache."""
+
+    def __init__(self, loaded: LoadedModel, device: str):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = torch.device(device)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, cache: DynamicCache, tokens: list[int], logits_to_keep: int) -> torch.Tensor:
+        """Appends tokens to the cache; returns [logits_to_keep, vocab] float32 logits
+        for the last logits_to_keep positions."""
+        assert tokens and 1 <= logits_to_keep <= len(tokens), (len(tokens), logits_to_keep)
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
+        )
+        return out.logits[0, -logits_to_keep:].float()

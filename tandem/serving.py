@@ -1,0 +1,102 @@
+"""What every Tandem gRPC server shares: construction with health checking and
+reflection, a single model worker thread, status helpers and graceful drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Large enough for dense draft distributions of a 152k vocabulary at k = 16.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+CACHE_MISS_KEY = "tandem-cache-miss"
+
+
+def create_server(
+    address: str, register: Iterable[Callable[[grpc.aio.Server], str]]
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Builds (does not start) a server on `address` ("host:0" picks a free port).
+
+    `register` are functions that add a servicer and return its full service name.
+    Returns the server, the bound port and its health servicer."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    names = [add(server) for add in register]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer, names: Iterable[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *names]:
+        await health_servicer.set(name, status)
+
+
+async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: list[str], grace_s: float = 10.0):
+    """Serves until SIGTERM or SIGINT, then drains: NOT_SERVING, finish in-flight calls, stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining (grace %.0fs)", grace_s)
+    await set_serving(health_servicer, names, False)
+    await server.stop(grace_s)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class ModelWorker:
+    """One thread that owns the model: calls run one at a time, in arrival order.
+
+    A cancelled call that has not started never runs; one that has started sees
+    its `cancelled` event set and may stop early (between draft steps)."""
+
+    def __init__(self, name: str):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.queue_depth = 0
+
+    async def run(self, fn: Callable[..., T], *args, cancelled: threading.Event | None = None) -> T:
+        self.queue_depth += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except asyncio.CancelledError:
+            if cancelled is not None:
+                cancelled.set()
+            raise
+        finally:
+            self.queue_depth -= 1
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def abort_cache_miss(context: grpc.aio.ServicerContext, miss: Exception):
+    context.set_trailing_metadata(((CACHE_MISS_KEY, "1"),))
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(miss))
+
+
+def is_cache_miss(err: grpc.aio.AioRpcError) -> bool:
+    if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    return any(key == CACHE_MISS_KEY for key, _ in (err.trailing_metadata() or ()))

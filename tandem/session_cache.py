@@ -1,0 +1,142 @@
+"""Per-session KV caches of a model service, under a byte budget.
+
+A cache is a disposable copy of a prefix of the session's committed tokens
+(DESIGN §2). A call names the prefix it assumes; if the cache holds more, it
+is cropped (rollback is a length change); if it holds less or something else,
+the call is a cache miss and the orchestrator re-syncs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tandem import fingerprint
+
+log = logging.getLogger(__name__)
+
+
+class CacheMiss(Exception):
+    def __init__(self, session_id: str, expected: int, held: int):
+        super().__init__(
+            f"cache miss for session {session_id}: expected a prefix of {expected} tokens, "
+            f"held {held} that do not match"
+        )
+        self.expected = expected
+        self.held = held
+
+
+@dataclass
+class SessionCache:
+    kv: object  # transformers DynamicCache (or any object with crop/layers)
+    tokens: list[int] = field(default_factory=list)  # tokens whose keys/values are in kv
+    fps: list[int] = field(default_factory=list)  # fps[i]: fingerprint of tokens[:i+1]
+    last_used: float = field(default_factory=time.monotonic)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, tokens: list[int]) -> None:
+        start = self.fps[-1] if self.fps else fingerprint.EMPTY
+        self.fps.extend(fingerprint.prefix_table(tokens, start))
+        self.tokens.extend(tokens)
+
+    def crop(self, length: int) -> int:
+        """Keeps the first `length` tokens; returns how many were dropped."""
+        dropped = len(self.tokens) - length
+        if dropped > 0:
+            self.kv.crop(-dropped)
+            del self.tokens[length:]
+            del self.fps[length:]
+        return max(dropped, 0)
+
+    def matches(self, length: int, fp: int) -> bool:
+        if length == 0:
+            return True
+        return length <= len(self.fps) and self.fps[length - 1] == fp
+
+    def nbytes(self) -> int:
+        total = 0
+        for layer in getattr(self.kv, "layers", ()):
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if tensor is not None and hasattr(tensor, "nbytes"):
+                    total += tensor.nbytes
+        return total
+
+
+@dataclass
+class CacheCounters:
+    evictions: int = 0
+    misses: int = 0
+    hits: int = 0
+
+
+class SessionCacheStore:
+    """LRU store of SessionCache objects. Not thread-safe: one model worker uses it."""
+
+    def __init__(self, new_kv: Callable[[], object], budget_bytes: int = 0, ttl_s: float = 0):
+        self._new_kv = new_kv
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
+        self.counters = CacheCounters()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def checkout(self, session_id: str, prefix_len: int, prefix_fp: int) -> tuple[SessionCache, int]:
+        """The session's cache cropped to the named prefix, and the tokens cropped.
+
+        prefix_len 0 starts the session afresh. Raises CacheMiss otherwise when
+        the cache does not hold the prefix."""
+        self.expire_idle()
+        cache = self._sessions.get(session_id)
+        if prefix_len == 0:
+            cache = SessionCache(self._new_kv())
+            self._sessions[session_id] = cache
+        elif cache is None or not cache.matches(prefix_len, prefix_fp):
+            self.counters.misses += 1
+            raise CacheMiss(session_id, prefix_len, 0 if cache is None else len(cache))
+        else:
+            self.counters.hits += 1
+        self._sessions.move_to_end(session_id)
+        cache.last_used = time.monotonic()
+        return cache, cache.crop(prefix_len)
+
+    def release(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def total_bytes(self) -> int:
+        return sum(cache.nbytes() for cache in self._sessions.values())
+
+    def enforce_budget(self, keep: str | None = None) -> list[str]:
+        """Evicts least recently used sessions (never `keep`) until under budget."""
+        evicted = []
+        if not self.budget_bytes:
+            return evicted
+        total = self.total_bytes()
+        for session_id in list(self._sessions):
+            if total <= self.budget_bytes:
+                break
+            if session_id == keep:
+                continue
+            total -= self._sessions.pop(session_id).nbytes()
+            evicted.append(session_id)
+        self.counters.evictions += len(evicted)
+        for session_id in evicted:
+            log.info("evicted session %s to stay under %d bytes", session_id, self.budget_bytes)
+        return evicted
+
+    def expire_idle(self) -> None:
+        if not self.ttl_s:
+            return
+        deadline = time.monotonic() - self.ttl_s
+        for session_id in [s for s, c in self._sessions.items() if c.last_used < deadline]:
+            del self._sessions[session_id]
+            self.counters.evictions += 1
+            log.info("expired idle session %s", session_id)

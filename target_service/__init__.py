@@ -1,0 +1,1 @@
+"""The target service: holds the target model and verifies drafted tokens."""

@@ -1,0 +1,83 @@
+"""gRPC face of the target service."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+import torch
+
+from tandem import serving
+from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
+from tandem.modeling import ModelConfig, ModelRunner, load
+from tandem.session_cache import SessionCacheStore
+from tandem.v1 import target_pb2, target_pb2_grpc
+from tandem.wire import decode_distribution, sampling_from_proto
+from target_service.verifier import Verifier, VerifyCall
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig()):
+        info = load(model)
+        runner = ModelRunner(info, model.device)
+        store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
+        super().__init__(info, store, "target-model")
+        self.verifier = Verifier(runner, store)
+
+    def _call(self, request) -> VerifyCall:
+        self.check_session(request)
+        vocab = self.info.vocab_size
+        new_tokens = self.check_tokens(request.new_tokens, "new_tokens", vocab)
+        draft_tokens = self.check_tokens(request.draft_tokens, "draft_tokens", vocab)
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as err:
+            raise InvalidRequest(str(err)) from None
+        self.check_context(request.prefix.length + len(new_tokens) + len(draft_tokens))
+        draft_dists = None
+        if not sampling.greedy and draft_tokens:
+            k = len(draft_tokens)
+            if len(request.draft_probs) != k or len(request.draft_distributions) != k:
+                raise InvalidRequest(
+                    f"sampling needs draft_probs and draft_distributions for each of the {k} draft tokens"
+                )
+            draft_dists = torch.stack([decode_distribution(d) for d in request.draft_distributions])
+        return VerifyCall(
+            session_id=request.session_id,
+            prefix_len=request.prefix.length,
+            prefix_fp=request.prefix.fingerprint,
+            new_tokens=new_tokens,
+            draft_tokens=draft_tokens,
+            draft_probs=list(request.draft_probs),
+            draft_dists=draft_dists,
+            sampling=sampling,
+        )
+
+    async def Verify(self, request, context):
+        try:
+            call = self._call(request)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        outcome = await self.run_checked(context, self.verifier.verify, call)
+        self.prefill_tokens += outcome.prefilled
+        return target_pb2.VerifyReply(
+            accepted=outcome.accepted,
+            next_token=outcome.next_token,
+            prefilled_tokens=outcome.prefilled,
+            cropped_tokens=outcome.cropped,
+            compute_ms=outcome.compute_ms,
+        )
+
+
+def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig()):
+    """Returns (server, port, health, servicer); the caller starts the server."""
+    servicer = TargetServicer(model, cache)
+
+    def register(server):
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        return SERVICE_NAME
+
+    server, port, health = serving.create_server(address, [register])
+    return server, port, health, servicer

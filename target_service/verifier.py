@@ -1,0 +1,78 @@
+"""Verification of one block of draft tokens on a session's cache (runs on the
+model worker thread)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem import rng
+from tandem.acceptance import verify_greedy, verify_sampled
+from tandem.modeling import ModelRunner
+from tandem.sampling import SamplingParams, logits_to_probs
+from tandem.session_cache import SessionCacheStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    session_id: str
+    prefix_len: int
+    prefix_fp: int
+    new_tokens: list[int]
+    draft_tokens: list[int]
+    draft_probs: list[float]  # [k], empty under greedy
+    draft_dists: torch.Tensor | None  # [k, vocab] or None
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    accepted: int
+    next_token: int
+    prefilled: int
+    cropped: int
+    compute_ms: float
+
+
+class Verifier:
+    def __init__(self, runner: ModelRunner, store: SessionCacheStore):
+        self.runner = runner
+        self.store = store
+
+    def verify(self, call: VerifyCall) -> VerifyOutcome:
+        start = time.perf_counter()
+        cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
+        k = len(call.draft_tokens)
+        fed = call.new_tokens + call.draft_tokens
+        first_draft_pos = len(cache) + len(call.new_tokens)  # absolute position of draft token 0
+        try:
+            logits = self.runner.forward(cache.kv, fed, logits_to_keep=k + 1)  # [k+1, vocab]
+            cache.append(fed)
+        except Exception:
+            self.store.release(call.session_id)  # a half-written cache is never reused
+            raise
+        if call.sampling.greedy:
+            verdict = verify_greedy(call.draft_tokens, logits.argmax(dim=-1).tolist())
+        else:
+            seed = call.sampling.seed
+            verdict = verify_sampled(
+                call.draft_tokens,
+                call.draft_probs,
+                call.draft_dists,
+                logits_to_probs(logits, call.sampling),
+                rng.uniforms(seed, rng.ACCEPT, first_draft_pos, k),
+                rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),
+            )
+        cache.crop(first_draft_pos + verdict.accepted)
+        self.store.enforce_budget(keep=call.session_id)
+        return VerifyOutcome(
+            accepted=verdict.accepted,
+            next_token=verdict.next_token,
+            prefilled=len(call.new_tokens),
+            cropped=cropped,
+            compute_ms=(time.perf_counter() - start) * 1e3,
+        )

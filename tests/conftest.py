@@ -1,0 +1,132 @@
+"""Fixtures: tiny random models built from configs, and real Tandem clusters
+(three gRPC servers on 127.0.0.1 sockets, real Redis) running in a background
+event loop."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+import torch
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from tandem import serving
+from tandem.model_service import CacheConfig
+from tandem.modeling import ModelConfig
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+TINY_VOCAB = 128
+
+
+def build_tiny_model(path, seed: int, vocab: int = TINY_VOCAB, max_context: int = 512) -> str:
+    """A 2-layer Qwen2 with random weights, saved without a tokenizer."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_context,
+        initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": build_tiny_model(root / "target", seed=0),
+        "other": build_tiny_model(root / "other", seed=1),
+        "wide": build_tiny_model(root / "wide", seed=2, vocab=256),
+    }
+
+
+def reference_greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face generate(do_sample=False) on the target alone, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            min_new_tokens=max_new_tokens, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+class Cluster:
+    """Target, draft and orchestrator servers in one background event loop."""
+
+    def __init__(self, target_dir: str, draft_dir: str, dtype: str = "float32", cache_mb: int = 0,
+                 draft_options=None, k: int = 4, adaptive: bool = False, pipeline: bool = True):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers = []
+        self.params = dict(target_dir=target_dir, draft_dir=draft_dir, dtype=dtype, cache_mb=cache_mb,
+                           draft_options=draft_options, k=k, adaptive=adaptive, pipeline=pipeline)
+        self.run(self._start())
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self):
+        from draft_service.server import DraftOptions, build_server as build_draft
+        from orchestrator.policy import KPolicyConfig
+        from orchestrator.server import OrchestratorConfig, build_server as build_orch
+        from target_service.server import build_server as build_target
+
+        p = self.params
+        cache = CacheConfig(budget_mb=p["cache_mb"], session_ttl_s=0)
+        target, target_port, _, self.target = build_target(
+            "127.0.0.1:0", ModelConfig(p["target_dir"], dtype=p["dtype"]), cache)
+        draft, draft_port, _, self.draft = build_draft(
+            "127.0.0.1:0", ModelConfig(p["draft_dir"], dtype=p["dtype"]), cache,
+            p["draft_options"] or DraftOptions())
+        await target.start()
+        await draft.start()
+        self.servers += [target, draft]
+        self.target_address = f"127.0.0.1:{target_port}"
+        self.draft_address = f"127.0.0.1:{draft_port}"
+        config = OrchestratorConfig(
+            draft_address=self.draft_address, target_address=self.target_address, redis_url=REDIS_URL,
+            policy=KPolicyConfig(k=p["k"], k_min=1, k_max=8, adaptive=p["adaptive"]), pipeline=p["pipeline"],
+        )
+        orch, orch_port, _, self.orchestrator = build_orch("127.0.0.1:0", config)
+        await orch.start()
+        self.servers.append(orch)
+        self.address = f"127.0.0.1:{orch_port}"
+
+    def client(self, tenant=None):
+        from tandem.client import TandemClient
+
+        return TandemClient(self.address, tenant=tenant, timeout_s=120)
+
+    def stop(self):
+        async def stop_all():
+            for server in self.servers:
+                await server.stop(0)
+            await self.orchestrator.close()
+
+        self.run(stop_all())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="session")
+def same_cluster(tiny_models):
+    """Draft = target: every draft token is accepted."""
+    cluster = Cluster(tiny_models["target"], tiny_models["target"])
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def random_cluster(tiny_models):
+    """An unrelated random draft: almost nothing is accepted."""
+    cluster = Cluster(tiny_models["target"], tiny_models["other"])
+    yield cluster
+    cluster.stop()
