@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -71,11 +72,16 @@ def load(config: ModelConfig) -> LoadedModel:
 
 def load_tokenizer(path: str):
     """The model's tokenizer, or None for a model saved without one."""
+    local = Path(path)
+    if local.is_dir() and not any(local.glob("tokenizer*")) and not any(local.glob("vocab*")):
+        log.info("no tokenizer files in %s: token ids only", path)
+        return None
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as err:
         log.info("no tokenizer at %s (%s): token ids only", path, err.__class__.__name__)
         return None
+    return tokenizer if len(tokenizer) > 1 else None
 
 
 def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:

@@ -53,11 +53,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from [vocab] probabilities with the uniform u."""
+    """Inverse-CDF draw from [vocab] probabilities with the uniform u in [0, 1).
+
+    The first index whose cumulative mass exceeds u·total: a token with zero
+    probability adds no width, so it is never drawn."""
     assert probs.ndim == 1, probs.shape
     cdf = probs.double().cumsum(0)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)).item())
-    index = min(index, probs.shape[0] - 1)
-    while probs[index] <= 0 and index > 0:  # u landed exactly on a zero-width step
-        index -= 1
+    point = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)
+    index = int(torch.searchsorted(cdf, point, right=True).item())
+    if index >= probs.shape[0]:  # rounding at the top end
+        index = int(torch.nonzero(probs)[-1].item())
     return index

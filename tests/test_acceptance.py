@@ -1,0 +1,110 @@
+"""The acceptance rule as a pure function: hand-built distributions, no model."""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tandem import rng
+from tandem.acceptance import verify_greedy, verify_sampled
+from tandem.sampling import SamplingParams, logits_to_probs, sample
+
+
+def test_greedy_accepts_matching_prefix_then_corrects():
+    assert verify_greedy([3, 5, 7], [3, 5, 1, 9]).__dict__ == {"accepted": 2, "next_token": 1}
+
+
+def test_greedy_all_accepted_gives_bonus():
+    assert verify_greedy([3, 5], [3, 5, 8]).__dict__ == {"accepted": 2, "next_token": 8}
+
+
+def test_greedy_first_rejected_and_empty_block():
+    assert verify_greedy([4], [2, 9]).__dict__ == {"accepted": 0, "next_token": 2}
+    assert verify_greedy([], [6]).__dict__ == {"accepted": 0, "next_token": 6}
+
+
+TARGET = torch.tensor([0.05, 0.40, 0.05, 0.30, 0.15, 0.05], dtype=torch.float64)
+DRAFT = torch.tensor([0.30, 0.10, 0.30, 0.10, 0.10, 0.10], dtype=torch.float64)
+
+
+def _first_token(draft_token: int, u_accept: float, u_target: float, rule=verify_sampled) -> int:
+    target_probs = torch.stack([TARGET, TARGET])  # [k+1, vocab], k = 1
+    verdict = rule([draft_token], [float(DRAFT[draft_token])], DRAFT[None], target_probs, [u_accept], [u_target, u_target])
+    return draft_token if verdict.accepted else verdict.next_token
+
+
+def _expected(counts, probs):
+    probs = np.asarray(probs, dtype=np.float64)
+    return probs / probs.sum() * counts.sum()
+
+
+def _sampled_counts(rule, n=20000, seed=7):
+    gen = np.random.default_rng(seed)
+    counts = np.zeros(len(TARGET))
+    for _ in range(n):
+        draft_token = int(gen.choice(len(DRAFT), p=DRAFT.numpy() / DRAFT.numpy().sum()))
+        counts[_first_token(draft_token, gen.random(), gen.random(), rule)] += 1
+    return counts
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    counts = _sampled_counts(verify_sampled)
+    assert chisquare(counts, _expected(counts, TARGET.numpy())).pvalue > 1e-3
+    tv = 0.5 * np.abs(counts / counts.sum() - TARGET.numpy()).sum()
+    assert tv < 0.02
+
+
+def test_the_distribution_test_catches_a_wrong_rule():
+    def accept_everything(draft_tokens, *args):
+        return type(verify_sampled([], [], None, TARGET[None], [], [0.5]))(len(draft_tokens), 0)
+
+    counts = _sampled_counts(accept_everything, n=5000)
+    assert chisquare(counts, _expected(counts, TARGET.numpy())).pvalue < 1e-6
+
+
+def test_two_draft_tokens_second_position_distribution():
+    """With k = 2 and draft = target, both positions keep the target's marginals."""
+    gen = np.random.default_rng(3)
+    counts = np.zeros(len(TARGET))
+    probs = TARGET.numpy() / TARGET.numpy().sum()
+    for _ in range(8000):
+        a, b = (int(gen.choice(6, p=probs)) for _ in range(2))
+        verdict = verify_sampled([a, b], [float(TARGET[a]), float(TARGET[b])], torch.stack([TARGET, TARGET]),
+                                 torch.stack([TARGET] * 3), [gen.random(), gen.random()], [gen.random()] * 3)
+        assert verdict.accepted == 2  # p/q = 1 always passes
+        counts[b] += 1
+    assert chisquare(counts, _expected(counts, probs)).pvalue > 1e-3
+
+
+def test_seeded_draws_are_deterministic_per_position():
+    assert rng.uniform(42, rng.ACCEPT, 10) == rng.uniform(42, rng.ACCEPT, 10)
+    assert rng.uniform(42, rng.ACCEPT, 10) != rng.uniform(42, rng.ACCEPT, 11)
+    assert rng.uniform(42, rng.ACCEPT, 10) != rng.uniform(42, rng.TARGET, 10)
+    assert rng.uniform(42, rng.ACCEPT, 10) != rng.uniform(43, rng.ACCEPT, 10)
+    verdicts = {
+        verify_sampled([2], [0.3], DRAFT[None], torch.stack([TARGET, TARGET]),
+                       rng.uniforms(9, rng.ACCEPT, 0, 1), rng.uniforms(9, rng.TARGET, 0, 2))
+        for _ in range(3)
+    }
+    assert len(verdicts) == 1
+
+
+def test_rejected_correction_never_repeats_the_rejected_token():
+    for u in np.linspace(0.01, 0.99, 25):
+        verdict = verify_sampled([0], [0.3], DRAFT[None], torch.stack([TARGET, TARGET]), [0.99], [float(u), 0.5])
+        assert verdict.accepted == 0 and verdict.next_token != 0  # q(0) > p(0): residual is zero there
+
+
+def test_logits_processing_top_k_top_p_and_sample():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))[0]
+    assert probs[2] == 0 and probs[3] == 0 and abs(float(probs.sum()) - 1) < 1e-6
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))[0]
+    assert probs.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert sample(torch.tensor([0.0, 0.5, 0.0, 0.5]), 0.0) == 1
+    assert sample(torch.tensor([0.0, 0.5, 0.0, 0.5]), 0.99) == 3
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
+def test_sampling_params_reject_bad_values(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

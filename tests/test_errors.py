@@ -1,0 +1,90 @@
+"""Bad input gets a clear error with the right gRPC status code, and nothing
+else is disturbed."""
+import grpc
+import pytest
+
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.conftest import Cluster
+
+PROMPT = [1, 2, 3, 4]
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.details()  # every error says what is wrong
+    return info.value.code()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(prompt_ids=[]),
+    dict(prompt_ids=PROMPT, max_tokens=0),
+    dict(prompt_ids=PROMPT, max_tokens=-3),
+    dict(prompt_ids=PROMPT, temperature=-0.5),
+    dict(prompt_ids=PROMPT, top_p=0.0),
+    dict(prompt_ids=PROMPT, top_p=1.5),
+    dict(prompt_ids=PROMPT, top_k=-1),
+    dict(prompt_ids=PROMPT, max_tokens=600),  # 4 + 600 > the tiny model's 512
+    dict(prompt_ids=[1, 500]),  # outside the vocabulary
+    dict(prompt="text, but the tiny model has no tokenizer"),
+])
+def test_bad_generate_requests_are_invalid_argument(random_cluster, kwargs):
+    with random_cluster.client() as client:
+        assert _code(lambda: client.generate(**kwargs)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.generate(prompt_ids=PROMPT, max_tokens=3).completion_tokens == 3  # still serving
+
+
+def test_unknown_and_foreign_sessions(random_cluster):
+    with random_cluster.client(tenant="alice") as alice, random_cluster.client(tenant="bob") as bob:
+        assert _code(lambda: alice.chat("no-such-session", message_ids=[1])) == grpc.StatusCode.NOT_FOUND
+        assert _code(lambda: alice.delete_session("no-such-session")) == grpc.StatusCode.NOT_FOUND
+        session = alice.create_session()
+        first = alice.chat(session, message_ids=PROMPT, max_tokens=4)
+        assert _code(lambda: bob.chat(session, message_ids=[1], max_tokens=2)) == grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda: bob.delete_session(session)) == grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda: alice.chat(session, message_ids=[], max_tokens=2)) == grpc.StatusCode.INVALID_ARGUMENT
+        # Alice's session is intact after all of that.
+        record = random_cluster.run(random_cluster.orchestrator.store.load("alice", session))
+        assert record.tokens == PROMPT + first.token_ids
+        assert alice.delete_session(session)
+
+
+def test_mismatched_model_pair_is_refused(tiny_models):
+    cluster = Cluster(tiny_models["target"], tiny_models["wide"])
+    try:
+        with cluster.client() as client:
+            assert _code(lambda: client.generate(prompt_ids=PROMPT)) == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate(prompt_ids=PROMPT)
+            assert "tokenizer" in info.value.details()
+    finally:
+        cluster.stop()
+
+
+def test_model_services_check_their_input(random_cluster):
+    prefix = common_pb2.PrefixRef(length=0)
+    with grpc.insecure_channel(random_cluster.target_address) as channel:
+        target = target_pb2_grpc.TargetServiceStub(channel)
+        bad = [
+            target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[]),
+            target_pb2.VerifyRequest(session_id="", prefix=prefix, new_tokens=[1]),
+            target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1000]),
+            target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1], draft_tokens=[2],
+                                     sampling=common_pb2.SamplingParams(temperature=1.0)),  # no draft probs
+            target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1] * 600),  # past the context
+        ]
+        for request in bad:
+            assert _code(lambda: target.Verify(request)) == grpc.StatusCode.INVALID_ARGUMENT
+        stale = target_pb2.VerifyRequest(session_id="never-seen", prefix=common_pb2.PrefixRef(length=5, fingerprint=1),
+                                         new_tokens=[1])
+        with pytest.raises(grpc.RpcError) as info:
+            target.Verify(stale)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert ("tandem-cache-miss", "1") in tuple(info.value.trailing_metadata())
+    with grpc.insecure_channel(random_cluster.draft_address) as channel:
+        draft = draft_pb2_grpc.DraftServiceStub(channel)
+        zero_k = draft_pb2.ProposeRequest(session_id="s", prefix=prefix, new_tokens=[1], num_tokens=0)
+        assert _code(lambda: draft.Propose(zero_k)) == grpc.StatusCode.INVALID_ARGUMENT
+        stale = draft_pb2.ProposeRequest(session_id="never-seen", prefix=common_pb2.PrefixRef(length=3, fingerprint=9),
+                                         new_tokens=[1], num_tokens=2)
+        assert _code(lambda: draft.Propose(stale)) == grpc.StatusCode.FAILED_PRECONDITION

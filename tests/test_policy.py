@@ -1,0 +1,53 @@
+"""Adaptive draft length: bounds and direction on synthetic measurements."""
+import pytest
+
+from orchestrator.policy import KPolicy, KPolicyConfig, expected_tokens_per_round
+
+
+def test_leviathan_tau():
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.8, 3) == pytest.approx((1 - 0.8**4) / 0.2)
+
+
+def _run(policy, alpha_accepts, rounds=30, draft_ms=20.0, verify_ms=100.0):
+    for _ in range(rounds):
+        k = policy.k
+        accepted = k if alpha_accepts else 0
+        policy.observe(k, accepted, draft_ms, verify_ms)
+    return policy.k
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_k_grows_with_acceptance_and_shrinks_without(pipelined):
+    config = KPolicyConfig(k=3, k_min=1, k_max=7)
+    assert _run(KPolicy(config, pipelined), alpha_accepts=True, draft_ms=5.0) == 7
+    assert _run(KPolicy(config, pipelined), alpha_accepts=False) == 1
+
+
+def test_k_stays_in_bounds_and_follows_cost():
+    config = KPolicyConfig(k=4, k_min=2, k_max=6)
+    cheap = KPolicy(config, pipelined=False)
+    costly = KPolicy(config, pipelined=False)
+    for _ in range(30):
+        cheap.observe(cheap.k, int(cheap.k * 0.8), 5.0, 100.0)
+        costly.observe(costly.k, int(costly.k * 0.8), 60.0, 100.0)
+    assert 2 <= costly.k <= cheap.k <= 6
+    assert costly.k < cheap.k
+
+
+def test_fixed_k_never_moves():
+    policy = KPolicy(KPolicyConfig(k=3, adaptive=False), pipelined=True)
+    assert _run(policy, alpha_accepts=True) == 3
+
+
+def test_config_checks_itself():
+    with pytest.raises(ValueError):
+        KPolicyConfig(k=9, k_max=8)
+
+
+def test_pipelined_k_stops_where_the_draft_outlasts_the_verify():
+    """All accepted, draft step 20 ms, verify 100 ms: beyond k = 4 the pre-draft of
+    k + 1 tokens outlasts the verify, so a longer block buys nothing."""
+    policy = KPolicy(KPolicyConfig(k=2, k_min=1, k_max=8), pipelined=True)
+    assert _run(policy, alpha_accepts=True, draft_ms=20.0, verify_ms=100.0) == 4

@@ -1,0 +1,102 @@
+"""Sessions: multi-turn cache reuse, re-sync after a lost cache, and cancellation."""
+import time
+
+import grpc
+import pytest
+
+from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from tests.conftest import reference_greedy
+
+TURN1 = [11, 22, 33, 44, 55, 66, 77]
+TURN2 = [5, 6, 7, 8]
+
+
+def _release(cluster, session_id):
+    for address, stub_class in ((cluster.draft_address, draft_pb2_grpc.DraftServiceStub),
+                                (cluster.target_address, target_pb2_grpc.TargetServiceStub)):
+        with grpc.insecure_channel(address) as channel:
+            reply = stub_class(channel).ReleaseSession(common_pb2.ReleaseSessionRequest(session_id=session_id))
+            assert reply.released
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_second_turn_prefills_only_the_new_turn(random_cluster, tiny_models, pipeline):
+    with random_cluster.client() as client:
+        session = client.create_session()
+        first = client.chat(session, message_ids=TURN1, max_tokens=12, pipeline=pipeline, num_draft_tokens=3)
+        second = client.chat(session, message_ids=TURN2, max_tokens=12, pipeline=pipeline, num_draft_tokens=3)
+        client.delete_session(session)
+    # Turn 1 prefills its prompt; turn 2 only its own tokens plus at most the
+    # one or two last committed tokens each service had not run yet.
+    assert first.stats.target_prefill_tokens >= len(TURN1)
+    assert len(TURN2) <= second.stats.target_prefill_tokens - second.stats.rounds + 1 <= len(TURN2) + 1
+    assert second.stats.draft_prefill_tokens <= len(TURN2) + 2 * second.stats.rounds + 2
+    assert second.stats.cache_misses == 0
+    history = TURN1 + first.token_ids + TURN2
+    assert second.token_ids == reference_greedy(tiny_models["target"], history, 12)
+
+
+def test_lost_caches_are_resynced_and_output_unchanged(random_cluster, tiny_models):
+    with random_cluster.client() as client:
+        session = client.create_session()
+        first = client.chat(session, message_ids=TURN1, max_tokens=10, num_draft_tokens=2)
+        _release(random_cluster, session)  # what an eviction or a restart leaves behind
+        second = client.chat(session, message_ids=TURN2, max_tokens=10, num_draft_tokens=2)
+        client.delete_session(session)
+    assert second.stats.cache_misses == 2  # one per service, each followed by a full re-sync
+    history = TURN1 + first.token_ids + TURN2
+    assert second.stats.target_prefill_tokens >= len(history)
+    assert second.token_ids == reference_greedy(tiny_models["target"], history, 10)
+
+
+def test_cancelled_request_keeps_committed_tokens_and_next_turn_is_exact(random_cluster, tiny_models):
+    with random_cluster.client() as client:
+        session = client.create_session()
+        stream = client.chat_stream(session, message_ids=TURN1, max_tokens=60, num_draft_tokens=4, pipeline=True)
+        streamed = []
+        for event in stream:
+            streamed.extend(event.delta.token_ids)
+            if len(streamed) >= 5:
+                stream.cancel()
+                break
+        for _ in range(100):  # the server may still be unwinding the cancelled call
+            try:
+                second = client.chat(session, message_ids=TURN2, max_tokens=10, num_draft_tokens=3)
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.ABORTED  # "session busy"
+                time.sleep(0.1)
+        record = random_cluster.run(random_cluster.orchestrator.store.load("default", session))
+        client.delete_session(session)
+    committed_turn1 = record.tokens[len(TURN1): len(record.tokens) - len(TURN2) - 10]
+    assert record.tokens[: len(TURN1)] == TURN1
+    assert committed_turn1[: len(streamed)] == streamed  # nothing streamed is lost
+    assert committed_turn1 == reference_greedy(tiny_models["target"], TURN1, len(committed_turn1))
+    history = TURN1 + committed_turn1 + TURN2
+    assert second.token_ids == reference_greedy(tiny_models["target"], history, 10)
+    assert record.tokens == history + second.token_ids
+
+
+def test_session_cache_store_evicts_least_recently_used():
+    import torch
+
+    from tandem.session_cache import CacheMiss, SessionCacheStore
+
+    class FakeKV:
+        def __init__(self):
+            self.layers = [type("L", (), {"keys": torch.zeros(0), "values": torch.zeros(0)})()]
+
+        def crop(self, n):
+            pass
+
+    store = SessionCacheStore(FakeKV, budget_bytes=100)
+    for name in ("a", "b", "c"):
+        cache, _ = store.checkout(name, 0, 0)
+        cache.append([1, 2, 3])
+        cache.kv.layers[0].keys = torch.zeros(10)  # 40 bytes each
+    evicted = store.enforce_budget(keep="c")
+    assert evicted == ["a"] and "b" in store and "c" in store
+    with pytest.raises(CacheMiss):
+        store.checkout("a", 3, 0)
+    cache, cropped = store.checkout("b", 2, store._sessions["b"].fps[1])
+    assert cropped == 1 and cache.tokens == [1, 2]
