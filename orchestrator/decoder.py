@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RoundStats:
     rounds: int = 0
+    rejected_rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -40,6 +41,7 @@ class RoundStats:
         self.rounds += 1
         self.drafted += k
         self.accepted += result.accepted
+        self.rejected_rounds += result.accepted < k
         self.k_sum += k
         if len(self.accepted_per_position) < k:
             self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))

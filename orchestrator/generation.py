@@ -119,6 +119,7 @@ class Generation:
             session_id=record.session_id,
             stats=tandem_pb2.SpeculationStats(
                 rounds=stats.rounds,
+                rejected_rounds=stats.rejected_rounds,
                 drafted_tokens=stats.drafted,
                 accepted_tokens=stats.accepted,
                 accepted_per_position=stats.accepted_per_position,

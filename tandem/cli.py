@@ -8,6 +8,10 @@ import logging
 import os
 import sys
 
+# Idle OpenMP threads must sleep, not spin: on a small machine the draft and
+# target processes share cores, and spinning threads starve the other process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 DEFAULT_ORCHESTRATOR = "127.0.0.1:50051"
 DEFAULT_TARGET = "127.0.0.1:50052"
 DEFAULT_DRAFT = "127.0.0.1:50053"

@@ -1,0 +1,93 @@
+"""First benchmark (make bench): the default pair, greedy, side by side in one run:
+the target alone (HF generate), HF assisted generation in-process, and Tandem
+through its three services. Writes bench/results/latest.json."""
+from __future__ import annotations
+
+import argparse
+import os
+import gc
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.common import PROMPTS, RESULTS, ModeResult, count_identical, hf_generate, load_hf, machine, prompt_ids, table, tandem_generate, write
+
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
+    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of both models")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
+    parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
+    parser.add_argument("--k", type=int, default=3, help="draft tokens per round, for HF assisted and Tandem")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per model process (default: %(default)s)")
+    parser.add_argument("--out", default=str(RESULTS / "latest.json"), help="JSON output path")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    from transformers import AutoTokenizer
+
+    from tandem.default_models import resolve_model
+    from tandem.launch import Deployment, Service
+    from tandem.redis_local import ensure_redis
+
+    target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
+    prompts = prompt_ids(AutoTokenizer.from_pretrained(target_path), args.prompts.split(","))
+    torch.set_num_threads(args.threads)
+
+    target = load_hf(target_path, args.dtype)
+    print("(a) target alone …", flush=True)
+    target_only = hf_generate(target, prompts, args.new_tokens)
+    print("(b) HF assisted generation …", flush=True)
+    draft = load_hf(draft_path, args.dtype)
+    hf_assisted = hf_generate(target, prompts, args.new_tokens, assistant=draft, k=args.k)
+    del target, draft
+    gc.collect()
+
+    print("(c) Tandem, three processes …", flush=True)
+    redis_url = ensure_redis()
+    services = (Service("target", ["--model", args.target, "--dtype", args.dtype], threads=args.threads),
+                Service("draft", ["--model", args.draft, "--dtype", args.dtype], threads=args.threads))
+    with Deployment(*services, ["--redis-url", redis_url, "--pipeline", "off", "--adaptive-k", "off",
+                                "--k", str(args.k)]) as deployment:
+        tandem = tandem_generate(deployment.address, prompts, args.new_tokens)
+
+    target_only.identical = target_only.prompts
+    for result in (hf_assisted, tandem):
+        result.identical = count_identical(result, target_only)
+    rows = [("target alone (HF generate)", target_only), (f"HF assisted (k={args.k})", hf_assisted),
+            (f"Tandem sequential (k={args.k})", tandem)]
+    print("\n" + table(rows, target_only))
+    write(Path(args.out), {
+        "target_only_tok_s": target_only.tok_s,
+        "hf_assisted_tok_s": hf_assisted.tok_s,
+        "tandem_tok_s": tandem.tok_s,
+        "speedup_vs_target_only": tandem.tok_s / target_only.tok_s,
+        "speedup_vs_hf_assisted": tandem.tok_s / hf_assisted.tok_s,
+        "hf_assisted_vs_target_only": hf_assisted.tok_s / target_only.tok_s,
+        "acceptance_rate": tandem.acceptance_rate,
+        "tokens_per_round": tandem.tokens_per_round,
+        "theory_tokens_per_round": tandem.theory_tokens_per_round,
+        "k": args.k,
+        "dtype": args.dtype,
+        "threads_per_model": args.threads,
+        "new_tokens": args.new_tokens,
+        "identical_to_target_only": f"{tandem.identical}/{tandem.prompts}",
+        "hf_assisted_identical_to_target_only": f"{hf_assisted.identical}/{hf_assisted.prompts}",
+        "overhead_ms_per_round_p50": tandem.overhead_ms_per_round_p50,
+        "machine": machine(),
+        "modes": {"target_only": target_only, "hf_assisted": hf_assisted, "tandem": tandem},
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Pieces shared by the benchmarks: the fixed prompts, the in-process Hugging
+Face baselines, running Tandem over a deployment, and the JSON/table output."""
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from orchestrator.policy import expected_tokens_per_round
+
+log = logging.getLogger(__name__)
+RESULTS = Path(__file__).parent / "results"
+
+PROMPTS = {
+    "code-1": "Write a Python function that merges two sorted lists into one sorted list, with a docstring.",
+    "code-2": "Implement a binary search tree class in Python with insert, search and in-order traversal.",
+    "prose-1": "Explain in a few paragraphs why the sky is blue, for a curious twelve-year-old.",
+    "prose-2": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def prompt_ids(tokenizer, names: list[str]) -> dict[str, list[int]]:
+    """Each prompt as one user turn under the model's chat template."""
+    return {
+        name: tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[name]}],
+                                            tokenize=True, add_generation_prompt=True, return_dict=False)
+        for name in names
+    }
+
+
+@dataclass
+class ModeResult:
+    tok_s: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    identical: int = 0  # prompts whose tokens equal the target alone
+    prompts: int = 0
+    acceptance_rate: float | None = None
+    tokens_per_round: float | None = None
+    theory_tokens_per_round: float | None = None
+    mean_k: float | None = None
+    predraft_hit_rate: float | None = None
+    overhead_ms_per_round_p50: float | None = None
+    accepted_per_position: list[int] = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)
+
+
+def load_hf(path: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    from tandem.modeling import DTYPES
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+
+
+def hf_generate(model, prompts: dict[str, list[int]], new_tokens: int, assistant=None, k: int = 4) -> ModeResult:
+    """Greedy HF generate over the prompts (assisted when `assistant` is given)."""
+    result = ModeResult()
+    for name, ids in prompts.items():
+        x = torch.tensor([ids])
+        kwargs = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(x))
+        if assistant is not None:
+            kwargs["assistant_model"] = assistant
+            assistant.generation_config.num_assistant_tokens = k
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = model.generate(x, **kwargs)
+            elapsed = time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()
+        result.outputs[name] = tokens
+        result.tokens += len(tokens)
+        result.seconds += elapsed
+        log.info("%s: %d tokens in %.1fs", name, len(tokens), elapsed)
+    result.prompts = len(prompts)
+    result.tok_s = result.tokens / result.seconds
+    return result
+
+
+def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int, **params) -> ModeResult:
+    """Greedy generation through the orchestrator, with the request stats folded in."""
+    from tandem.client import TandemClient
+
+    result = ModeResult()
+    rounds = rejected = accepted = hits = attempts = 0
+    k_sum = 0.0
+    overheads = []
+    per_position: list[int] = []
+    with TandemClient(address, timeout_s=3600) as client:
+        for name, ids in prompts.items():
+            start = time.perf_counter()
+            out = client.generate(prompt_ids=ids, max_tokens=new_tokens, **params)
+            elapsed = time.perf_counter() - start
+            s = out.stats
+            result.outputs[name] = out.token_ids
+            result.tokens += len(out.token_ids)
+            result.seconds += elapsed
+            rounds += s.rounds
+            rejected += s.rejected_rounds
+            accepted += s.accepted_tokens
+            hits += s.predraft_hits
+            attempts += s.predraft_attempts
+            k_sum += s.mean_k * s.rounds
+            overheads.append(s.overhead_ms_p50)
+            for i, n in enumerate(s.accepted_per_position):
+                per_position.extend([0] * (i + 1 - len(per_position)))
+                per_position[i] += n
+            log.info("%s: %d tokens in %.1fs, acceptance %.2f", name, len(out.token_ids), elapsed, out.acceptance_rate)
+    result.prompts = len(prompts)
+    result.tok_s = result.tokens / result.seconds
+    result.mean_k = k_sum / rounds if rounds else 0.0
+    # Per-token acceptance: each round is a run of accepted tokens ended by at
+    # most one rejection (Leviathan et al.'s i.i.d. model).
+    alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
+    result.acceptance_rate = alpha
+    result.tokens_per_round = result.tokens / rounds if rounds else 0.0
+    result.theory_tokens_per_round = expected_tokens_per_round(alpha, round(result.mean_k)) if rounds else 0.0
+    result.predraft_hit_rate = hits / attempts if attempts else None
+    result.overhead_ms_per_round_p50 = sorted(overheads)[len(overheads) // 2] if overheads else None
+    result.accepted_per_position = per_position
+    return result
+
+
+def count_identical(result: ModeResult, reference: ModeResult) -> int:
+    return sum(result.outputs.get(name) == ids for name, ids in reference.outputs.items())
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def write(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+    log.info("wrote %s", path)
+
+
+def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
+    lines = [f"{'mode':<34}{'tok/s':>8}{'vs base':>9}{'α':>7}{'tok/rnd':>9}{'τ(α,k)':>8}{'k':>6}{'hit':>6}{'ovh ms':>8}{'same':>7}"]
+
+    def fmt(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    for name, r in rows:
+        lines.append(
+            f"{name:<34}{r.tok_s:>8.2f}{r.tok_s / baseline.tok_s:>8.2f}x{fmt(r.acceptance_rate, '7.2f')}"
+            f"{fmt(r.tokens_per_round, '9.2f')}{fmt(r.theory_tokens_per_round, '8.2f')}{fmt(r.mean_k, '6.1f')}"
+            f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}{r.identical:>5}/{r.prompts}"
+        )
+    return "\n".join(lines)

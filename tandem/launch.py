@@ -1,0 +1,112 @@
+"""Starts Tandem's three services as separate processes (demo, benchmarks),
+optionally pinned to CPU cores, and stops them with SIGTERM."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Service:
+    role: str
+    args: list[str]
+    cpus: str | None = None  # taskset list, e.g. "0" or "0,1"
+    threads: int | None = None
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, log_dir: Path) -> None:
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", self.role, "--port", str(self.port), *self.args]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)] if self.role != "orchestrator" else []
+        if self.cpus is not None and shutil.which("taskset"):
+            cmd = ["taskset", "-c", self.cpus, *cmd]
+        env = dict(os.environ)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        self.log_path = log_dir / f"{self.role}-{self.port}.log"
+        log.info("starting %s: %s", self.role, " ".join(cmd))
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True, env=env
+        )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        ready = threading.Event()
+
+        def read():
+            for line in self.process.stdout:
+                if line.startswith("READY"):
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_path.read_text()[-3000:] if self.log_path else ""
+                raise RuntimeError(f"{self.role} did not start (see {self.log_path}):\n{tail}")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+class Deployment:
+    """target + draft + orchestrator processes on this machine."""
+
+    def __init__(self, target: Service, draft: Service, orchestrator_args: list[str],
+                 orchestrator_cpus: str | None = None, log_dir: str | Path | None = None):
+        self.log_dir = Path(log_dir or Path.home() / ".cache" / "tandem" / "logs")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.target, self.draft = target, draft
+        self.orchestrator = Service(
+            "orchestrator",
+            ["--target", target.address, "--draft", draft.address, *orchestrator_args],
+            cpus=orchestrator_cpus,
+        )
+
+    @property
+    def address(self) -> str:
+        return self.orchestrator.address
+
+    def __enter__(self):
+        try:
+            self.target.start(self.log_dir)
+            self.draft.start(self.log_dir)
+            self.target.wait_ready(900)
+            self.draft.wait_ready(900)
+            self.orchestrator.start(self.log_dir)
+            self.orchestrator.wait_ready(120)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for service in (self.orchestrator, self.draft, self.target):
+            service.stop()
