@@ -145,7 +145,7 @@ def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
     lines = [f"{'mode':<34}{'tok/s':>8}{'vs base':>9}{'α':>7}{'tok/rnd':>9}{'τ(α,k)':>8}{'k':>6}{'hit':>6}{'ovh ms':>8}{'same':>7}"]
 
     def fmt(value, spec):
-        return format(value, spec) if value is not None else "-"
+        return format(value, spec) if value is not None else "-".rjust(int(spec.split(".")[0]))
 
     for name, r in rows:
         lines.append(
