@@ -1,4 +1,8 @@
-"""Draft backends. The server talks to any of them through `Drafter.propose`."""
+"""Draft backends. The server talks to any of them through `Drafter.propose`.
+
+Contract of propose: the session's history becomes prefix + new_tokens +
+tokens[:-1] (the last proposed token is not part of it yet), so the
+orchestrator tracks every backend the same way."""
 from __future__ import annotations
 
 import threading
@@ -8,10 +12,12 @@ from typing import Protocol
 
 import torch
 
+from draft_service.cheap import ReducedHead
+from draft_service.ngram import lookup
 from tandem import rng
 from tandem.modeling import ModelRunner
 from tandem.sampling import SamplingParams, logits_to_probs, sample
-from tandem.session_cache import SessionCacheStore
+from tandem.session_cache import SessionCache, SessionCacheStore
 
 
 @dataclass(frozen=True)
@@ -53,27 +59,67 @@ def draw(logits: torch.Tensor, call: ProposeCall, position: int, first: bool):
     return token, float(dist[token]), dist
 
 
-class ModelDrafter:
-    """Drafts autoregressively with a small causal LM on a per-session KV cache."""
+class NgramDrafter:
+    """Prompt lookup over the session's own history; no model."""
 
-    def __init__(self, runner: ModelRunner, store: SessionCacheStore):
-        self.runner = runner
+    def __init__(self, store: SessionCacheStore, vocab_size: int, ngram_max: int = 4):
         self.store = store
-        self.vocab_size = runner.loaded.vocab_size
+        self.vocab_size = vocab_size
+        self.ngram_max = ngram_max
+
+    def _lookup_proposal(self, cache: SessionCache, call: ProposeCall, cropped: int, start: float) -> Proposal | None:
+        tokens = lookup(cache.tokens, call.num_tokens, self.ngram_max)
+        if not tokens:
+            return None
+        cache.append(tokens[:-1])
+        greedy = call.sampling.greedy
+        one_hot = []
+        if not greedy and call.return_dists:
+            for token in tokens:
+                dist = torch.zeros(self.vocab_size)
+                dist[token] = 1.0
+                one_hot.append(dist)
+        return Proposal(tokens, [] if greedy else [1.0] * len(tokens), one_hot, len(call.new_tokens), cropped,
+                        (time.perf_counter() - start) * 1e3, 0.0)
 
     def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
         start = time.perf_counter()
         cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
-        tokens, probs, dists = [], [], []
-        feed = call.new_tokens
-        steps_ms = []
+        cache.append(call.new_tokens)
+        found = self._lookup_proposal(cache, call, cropped, start)
+        return found or Proposal([], [], [], len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3, 0.0)
+
+
+class ModelDrafter:
+    """Drafts autoregressively with a small causal LM on a per-session KV cache,
+    optionally scoring only a token subset (ReducedHead)."""
+
+    def __init__(self, runner: ModelRunner, store: SessionCacheStore, head: ReducedHead | None = None):
+        self.runner = runner
+        self.store = store
+        self.head = head
+        self.vocab_size = runner.loaded.vocab_size
+
+    def _next_logits(self, cache: SessionCache) -> torch.Tensor:
+        """Runs the unfed history through the model; [vocab] logits of the next token."""
+        if self.head is None:
+            logits = self.runner.forward(cache.kv, cache.unfed(), logits_to_keep=1)[0]
+        else:
+            logits = self.head(self.runner.last_hidden(cache.kv, cache.unfed()))
+        cache.mark_fed()
+        return logits
+
+    def _draft(self, cache: SessionCache, call: ProposeCall, cancelled: threading.Event, cropped: int,
+               start: float) -> Proposal:
+        tokens, probs, dists, steps_ms = [], [], [], []
         try:
             for i in range(call.num_tokens):
                 if cancelled.is_set():
                     break
                 step_start = time.perf_counter()
-                logits = self.runner.forward(cache.kv, feed, logits_to_keep=1)[0]  # [vocab]
-                cache.append(feed)
+                if i:
+                    cache.append(tokens[-1:])
+                logits = self._next_logits(cache)
                 token, prob, dist = draw(logits, call, position=len(cache), first=i == 0)
                 steps_ms.append((time.perf_counter() - step_start) * 1e3)
                 tokens.append(token)
@@ -81,17 +127,33 @@ class ModelDrafter:
                     probs.append(prob)
                     if call.return_dists:
                         dists.append(dist)
-                feed = [token]
         except Exception:
-            self.store.release(call.session_id)
+            self.store.release(call.session_id)  # a half-written cache is never reused
             raise
         self.store.enforce_budget(keep=call.session_id)
-        return Proposal(
-            tokens=tokens,
-            token_probs=probs,
-            dists=dists,
-            prefilled=len(call.new_tokens),
-            cropped=cropped,
-            compute_ms=(time.perf_counter() - start) * 1e3,
-            step_ms=sum(steps_ms) / len(steps_ms) if steps_ms else 0.0,
-        )
+        return Proposal(tokens, probs, dists, len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3,
+                        sum(steps_ms) / len(steps_ms) if steps_ms else 0.0)
+
+    def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
+        start = time.perf_counter()
+        cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
+        cache.append(call.new_tokens)
+        return self._draft(cache, call, cancelled, cropped, start)
+
+
+class NgramModelDrafter(ModelDrafter):
+    """Prompt lookup first; the model drafts when the history has no match. The
+    model's KV lags behind the history while n-grams hit, and catches up in one
+    forward when it is needed."""
+
+    def __init__(self, runner: ModelRunner, store: SessionCacheStore, head: ReducedHead | None = None,
+                 ngram_max: int = 4):
+        super().__init__(runner, store, head)
+        self.ngram = NgramDrafter(store, self.vocab_size, ngram_max)
+
+    def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
+        start = time.perf_counter()
+        cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
+        cache.append(call.new_tokens)
+        found = self.ngram._lookup_proposal(cache, call, cropped, start)
+        return found or self._draft(cache, call, cancelled, cropped, start)

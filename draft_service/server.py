@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
-from draft_service.drafters import ModelDrafter, ProposeCall
+from draft_service.cheap import ReducedHead, frequent_token_ids, quantize_int8
+from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
 from tandem import serving
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
-from tandem.modeling import ModelConfig, ModelRunner, load
-from tandem.session_cache import SessionCacheStore
+from tandem.modeling import ModelConfig, ModelRunner, load, load_identity
+from tandem.session_cache import NullKV, SessionCacheStore
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 from tandem.wire import encode_distribution, sampling_from_proto
 
@@ -28,22 +29,62 @@ class DraftOptions:
     backend: str = "model"  # "model", "ngram" (prompt lookup) or "ngram+model"
     vocab_subset: int = 0  # FR-Spec: score only the N most frequent tokens; 0 = all
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
+    quantize: str = "none"  # "int8": int8 dynamic quantization of the draft's linear layers
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.vocab_subset < 0 or self.ngram_max < 1:
             raise ValueError("vocab_subset must be >= 0 and ngram_max >= 1")
+        if self.quantize not in ("none", "int8"):
+            raise ValueError(f"quantize must be 'none' or 'int8', got {self.quantize!r}")
+
+    @property
+    def label(self) -> str:
+        label = self.backend
+        if self.backend != "ngram":
+            label += "/int8" if self.quantize == "int8" else ""
+            label += f"/vocab={self.vocab_subset}" if self.vocab_subset else ""
+        return label
+
+
+def _special_ids(info) -> set[int]:
+    special = set(info.eos_token_ids)
+    if info.tokenizer is not None:
+        special |= set(info.tokenizer.all_special_ids)
+        special |= {i for i in getattr(info.tokenizer, "added_tokens_decoder", {})}
+    return special
 
 
 class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig(), options: DraftOptions = DraftOptions()):
+        self.backend = options.label
+        budget = cache.budget_mb * 2**20
+        if options.backend == "ngram":
+            info = load_identity(model)
+            store = SessionCacheStore(NullKV, budget, cache.session_ttl_s)
+            super().__init__(info, store, "draft-ngram")
+            self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
+            return
+        if options.quantize == "int8" and model.dtype != "float32":
+            log.info("int8 quantization computes in float32: loading the draft in float32")
+            model = replace(model, dtype="float32")
         info = load(model)
+        lm_head = info.model.get_output_embeddings().weight.detach()  # before quantization replaces it
+        if options.quantize == "int8":
+            info = replace(info, model=quantize_int8(info.model))
         runner = ModelRunner(info, model.device)
-        store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
+        store = SessionCacheStore(runner.new_cache, budget, cache.session_ttl_s)
         super().__init__(info, store, "draft-model")
-        self.backend = options.backend
-        self.drafter = ModelDrafter(runner, store)
+        head = None
+        if options.vocab_subset:
+            ids = frequent_token_ids(info.vocab_size, options.vocab_subset, list(_special_ids(info)))
+            head = ReducedHead(lm_head, ids, int8=options.quantize == "int8")
+            log.info("reduced draft head: %d of %d tokens", len(ids), info.vocab_size)
+        if options.backend == "ngram+model":
+            self.drafter = NgramModelDrafter(runner, store, head, options.ngram_max)
+        else:
+            self.drafter = ModelDrafter(runner, store, head)
 
     def _call(self, request) -> ProposeCall:
         self.check_session(request)

@@ -240,7 +240,7 @@ class Decoder:
             return None
         self.stats.draft_prefill += pre.prefilled
         # The draft now holds committed[:-1] + pre.tokens[:-1].
-        if pre.tokens[0] == result.next_token and len(pre.tokens) > 1:
+        if len(pre.tokens) > 1 and pre.tokens[0] == result.next_token:
             self.stats.predraft_hits += 1
             self.draft_view = ServiceView(len(self.committed), pre.tokens[1:-1])
             return pre.drop_first()

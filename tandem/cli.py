@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--vocab-subset", type=int, default=0,
                        help="score only the N most frequent tokens in the draft head (FR-Spec); 0 = full vocabulary")
     draft.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by prompt lookup")
+    draft.add_argument("--quantize", default="none", choices=["none", "int8"],
+                       help="int8 dynamic quantization of the draft's linear layers (computes in float32)")
     orch = serve.add_parser("orchestrator", help="the public API server")
     orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")
@@ -137,7 +139,8 @@ def _serve(args) -> None:
             else:
                 from draft_service.server import SERVICE_NAME as name, DraftOptions, build_server
 
-                options = DraftOptions(backend=args.backend, vocab_subset=args.vocab_subset, ngram_max=args.ngram_max)
+                options = DraftOptions(backend=args.backend, vocab_subset=args.vocab_subset, ngram_max=args.ngram_max,
+                                       quantize=args.quantize)
                 server, port, health, _ = build_server(address, model, cache, options)
         await server.start()
         await serving.set_serving(health, [name], True)

@@ -80,11 +80,16 @@ class ModelServiceBase:
             tokenizer_fingerprint=info.tokenizer_fingerprint,
             vocab_size=info.vocab_size,
             max_context=info.max_context,
-            dtype=str(next(info.model.parameters()).dtype).removeprefix("torch."),
-            device=str(next(info.model.parameters()).device),
+            dtype=self._param_attr("dtype", "none").removeprefix("torch."),
+            device=self._param_attr("device", "cpu"),
             backend=self.backend,
             eos_token_ids=list(info.eos_token_ids),
         )
+
+    def _param_attr(self, name: str, default: str) -> str:
+        params = self.info.model.parameters() if self.info.model is not None else iter(())
+        first = next(params, None)
+        return str(getattr(first, name)) if first is not None else default
 
     async def GetModelInfo(self, request, context):
         return self.model_info()

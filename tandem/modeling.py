@@ -70,6 +70,30 @@ def load(config: ModelConfig) -> LoadedModel:
     )
 
 
+def load_identity(config: ModelConfig) -> LoadedModel:
+    """The model's identity (tokenizer, vocabulary, context) without its weights,
+    for drafters that need no model."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from tandem.default_models import resolve_model
+
+    path = resolve_model(config.model)
+    model_config = AutoConfig.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
+    vocab_size = int(model_config.vocab_size)
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = model_config.eos_token_id
+    eos = () if eos is None else tuple(eos if isinstance(eos, (list, tuple)) else [eos])
+    return LoadedModel(
+        model=None, tokenizer=tokenizer, model_id=config.model,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, vocab_size), vocab_size=vocab_size,
+        max_context=int(getattr(model_config, "max_position_embeddings", 0) or 1 << 20),
+        eos_token_ids=tuple(int(e) for e in eos),
+    )
+
+
 def load_tokenizer(path: str):
     """The model's tokenizer, or None for a model saved without one."""
     local = Path(path)
@@ -126,3 +150,12 @@ class ModelRunner:
             input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
         )
         return out.logits[0, -logits_to_keep:].float()
+
+    @torch.inference_mode()
+    def last_hidden(self, cache: DynamicCache, tokens: list[int]) -> torch.Tensor:
+        """Appends tokens to the cache; returns the [hidden] state of the last one,
+        before the output layer (for drafters with their own head)."""
+        assert tokens
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        return out.last_hidden_state[0, -1]

@@ -30,9 +30,16 @@ class CacheMiss(Exception):
 
 @dataclass
 class SessionCache:
-    kv: object  # transformers DynamicCache (or any object with crop/layers)
-    tokens: list[int] = field(default_factory=list)  # tokens whose keys/values are in kv
+    """A session's token history, and the keys/values of its first kv_len tokens.
+
+    Drafters that need no model (n-gram) keep only the history; the n-gram +
+    model drafter lets the history run ahead of the KV and catches up in one
+    forward when the model is needed."""
+
+    kv: object  # transformers DynamicCache, or NullKV
+    tokens: list[int] = field(default_factory=list)  # the history
     fps: list[int] = field(default_factory=list)  # fps[i]: fingerprint of tokens[:i+1]
+    kv_len: int = 0  # tokens[:kv_len] are in kv
     last_used: float = field(default_factory=time.monotonic)
 
     def __len__(self) -> int:
@@ -43,13 +50,22 @@ class SessionCache:
         self.fps.extend(fingerprint.prefix_table(tokens, start))
         self.tokens.extend(tokens)
 
+    def unfed(self) -> list[int]:
+        """History tokens whose keys/values are not in kv yet."""
+        return self.tokens[self.kv_len:]
+
+    def mark_fed(self) -> None:
+        self.kv_len = len(self.tokens)
+
     def crop(self, length: int) -> int:
         """Keeps the first `length` tokens; returns how many were dropped."""
         dropped = len(self.tokens) - length
         if dropped > 0:
-            self.kv.crop(-dropped)
             del self.tokens[length:]
             del self.fps[length:]
+        if self.kv_len > length:
+            self.kv.crop(-(self.kv_len - length))
+            self.kv_len = length
         return max(dropped, 0)
 
     def matches(self, length: int, fp: int) -> bool:
@@ -63,7 +79,16 @@ class SessionCache:
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if tensor is not None and hasattr(tensor, "nbytes"):
                     total += tensor.nbytes
-        return total
+        return total + 16 * len(self.tokens)
+
+
+class NullKV:
+    """The KV cache of a drafter without a model."""
+
+    layers = ()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        pass
 
 
 @dataclass

@@ -47,11 +47,11 @@ class Verifier:
         start = time.perf_counter()
         cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
         k = len(call.draft_tokens)
-        fed = call.new_tokens + call.draft_tokens
         first_draft_pos = len(cache) + len(call.new_tokens)  # absolute position of draft token 0
+        cache.append(call.new_tokens + call.draft_tokens)
         try:
-            logits = self.runner.forward(cache.kv, fed, logits_to_keep=k + 1)  # [k+1, vocab]
-            cache.append(fed)
+            logits = self.runner.forward(cache.kv, cache.unfed(), logits_to_keep=k + 1)  # [k+1, vocab]
+            cache.mark_fed()
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused
             raise

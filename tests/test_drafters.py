@@ -1,0 +1,53 @@
+"""Draft backends: prompt lookup, the reduced head, int8 quantization, and end
+to end with each of them the output still equals the target alone."""
+import pytest
+
+from draft_service.ngram import lookup
+from draft_service.server import DraftOptions
+from tests.conftest import Cluster, reference_greedy
+
+
+def test_lookup_proposes_the_continuation_of_a_repeated_pattern():
+    history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert lookup(history, 2) == [4, 5]
+    assert lookup([7, 8, 7, 8, 7], 4) == [8, 7, 8, 7]  # repeats on the extended history
+    assert lookup([1, 2, 3], 3) == []  # no earlier occurrence of any suffix
+    assert lookup([5, 6, 1, 5, 6, 2, 5, 6], 1) == [2]  # the most recent occurrence wins
+
+
+REPEATING = [10, 20, 30, 40, 50, 60, 10, 20, 30, 40, 50, 60, 10, 20]
+
+
+@pytest.mark.parametrize("options", [
+    DraftOptions(backend="ngram"),
+    DraftOptions(backend="ngram+model", vocab_subset=64),
+    DraftOptions(backend="model", quantize="int8", vocab_subset=100),
+])
+def test_backends_stay_lossless_end_to_end(tiny_models, options):
+    cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=options)
+    try:
+        with cluster.client() as client:
+            assert client.server_info().draft_backend == options.label
+            for prompt in (REPEATING, [3, 1, 4, 1, 5, 9, 2, 6]):
+                for pipeline in (False, True):
+                    result = client.generate(prompt_ids=prompt, max_tokens=24, num_draft_tokens=3, pipeline=pipeline)
+                    assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 24)
+            sampled = [client.generate(prompt_ids=REPEATING, max_tokens=16, temperature=1.0, seed=3,
+                                       num_draft_tokens=3, pipeline=p).token_ids for p in (False, True)]
+            assert sampled[0] == sampled[1]
+    finally:
+        cluster.stop()
+
+
+def test_ngram_drafts_are_accepted_on_repetitive_output(tiny_models):
+    """With the tiny target's own greedy output as the history, lookup hits."""
+    cycle = reference_greedy(tiny_models["target"], REPEATING, 40)
+    prompt = REPEATING + cycle  # the continuation repeats what the history holds
+    cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=DraftOptions(backend="ngram"))
+    try:
+        with cluster.client() as client:
+            result = client.generate(prompt_ids=prompt, max_tokens=20, num_draft_tokens=4)
+        assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 20)
+        assert result.stats.accepted_tokens > 0
+    finally:
+        cluster.stop()
