@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per round, for HF assisted and Tandem")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per model process (default: %(default)s)")
+    parser.add_argument("--cheap-draft-args", default="--quantize int8 --vocab-subset 32768",
+                        help="also run Tandem with these draft flags ('' to skip) (default: %(default)s)")
     parser.add_argument("--out", default=str(RESULTS / "latest.json"), help="JSON output path")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -56,15 +58,26 @@ def main(argv=None) -> int:
     redis_url = ensure_redis()
     services = (Service("target", ["--model", args.target, "--dtype", args.dtype], threads=args.threads),
                 Service("draft", ["--model", args.draft, "--dtype", args.dtype], threads=args.threads))
-    with Deployment(*services, ["--redis-url", redis_url, "--pipeline", "off", "--adaptive-k", "off",
-                                "--k", str(args.k)]) as deployment:
+    orchestrator = ["--redis-url", redis_url, "--pipeline", "off", "--adaptive-k", "off", "--k", str(args.k)]
+    with Deployment(*services, orchestrator) as deployment:
         tandem = tandem_generate(deployment.address, prompts, args.new_tokens)
+    cheap = None
+    if args.cheap_draft_args:
+        print(f"(d) Tandem with a cheaper draft ({args.cheap_draft_args}) …", flush=True)
+        services = (Service("target", ["--model", args.target, "--dtype", args.dtype], threads=args.threads),
+                    Service("draft", ["--model", args.draft, "--dtype", args.dtype, *args.cheap_draft_args.split()],
+                            threads=args.threads))
+        with Deployment(*services, orchestrator) as deployment:
+            cheap = tandem_generate(deployment.address, prompts, args.new_tokens)
 
     target_only.identical = target_only.prompts
-    for result in (hf_assisted, tandem):
-        result.identical = count_identical(result, target_only)
+    for result in (hf_assisted, tandem, cheap):
+        if result is not None:
+            result.identical = count_identical(result, target_only)
     rows = [("target alone (HF generate)", target_only), (f"HF assisted (k={args.k})", hf_assisted),
             (f"Tandem sequential (k={args.k})", tandem)]
+    if cheap is not None:
+        rows.append(("Tandem, int8 + 32k-head draft", cheap))
     print("\n" + table(rows, target_only))
     write(Path(args.out), {
         "target_only_tok_s": target_only.tok_s,
@@ -84,7 +97,14 @@ def main(argv=None) -> int:
         "hf_assisted_identical_to_target_only": f"{hf_assisted.identical}/{hf_assisted.prompts}",
         "overhead_ms_per_round_p50": tandem.overhead_ms_per_round_p50,
         "machine": machine(),
-        "modes": {"target_only": target_only, "hf_assisted": hf_assisted, "tandem": tandem},
+        "cheap_draft": None if cheap is None else {
+            "draft_args": args.cheap_draft_args, "tok_s": cheap.tok_s, "acceptance_rate": cheap.acceptance_rate,
+            "speedup_vs_target_only": cheap.tok_s / target_only.tok_s,
+            "identical_to_target_only": f"{cheap.identical}/{cheap.prompts}",
+        },
+        "modes": {name: {k: v for k, v in vars(r).items() if k != "outputs"}
+                  for name, r in (("target_only", target_only), ("hf_assisted", hf_assisted), ("tandem", tandem),
+                                  ("tandem_cheap_draft", cheap)) if r is not None},
     })
     return 0
 

@@ -47,6 +47,7 @@ class ModeResult:
     predraft_hit_rate: float | None = None
     overhead_ms_per_round_p50: float | None = None
     accepted_per_position: list[int] = field(default_factory=list)
+    tried_per_position: list[int] = field(default_factory=list)
     outputs: dict = field(default_factory=dict)
 
 
@@ -91,6 +92,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     k_sum = 0.0
     overheads = []
     per_position: list[int] = []
+    tried: list[int] = []
     with TandemClient(address, timeout_s=3600) as client:
         for name, ids in prompts.items():
             start = time.perf_counter()
@@ -107,9 +109,10 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
             attempts += s.predraft_attempts
             k_sum += s.mean_k * s.rounds
             overheads.append(s.overhead_ms_p50)
-            for i, n in enumerate(s.accepted_per_position):
-                per_position.extend([0] * (i + 1 - len(per_position)))
-                per_position[i] += n
+            for counts, new in ((per_position, s.accepted_per_position), (tried, s.tried_per_position)):
+                counts.extend([0] * (len(new) - len(counts)))
+                for i, n in enumerate(new):
+                    counts[i] += n
             log.info("%s: %d tokens in %.1fs, acceptance %.2f", name, len(out.token_ids), elapsed, out.acceptance_rate)
     result.prompts = len(prompts)
     result.tok_s = result.tokens / result.seconds
@@ -123,6 +126,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     result.predraft_hit_rate = hits / attempts if attempts else None
     result.overhead_ms_per_round_p50 = sorted(overheads)[len(overheads) // 2] if overheads else None
     result.accepted_per_position = per_position
+    result.tried_per_position = tried
     return result
 
 

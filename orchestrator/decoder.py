@@ -28,6 +28,7 @@ class RoundStats:
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    tried_per_position: list[int] = field(default_factory=list)
     k_sum: int = 0
     target_prefill: int = 0
     draft_prefill: int = 0
@@ -43,10 +44,12 @@ class RoundStats:
         self.accepted += result.accepted
         self.rejected_rounds += result.accepted < k
         self.k_sum += k
-        if len(self.accepted_per_position) < k:
-            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        for counts in (self.accepted_per_position, self.tried_per_position):
+            counts.extend([0] * (k - len(counts)))
         for i in range(result.accepted):
             self.accepted_per_position[i] += 1
+        for i in range(min(result.accepted + 1, k)):
+            self.tried_per_position[i] += 1
 
 
 class Committed:

@@ -123,6 +123,7 @@ class Generation:
                 drafted_tokens=stats.drafted,
                 accepted_tokens=stats.accepted,
                 accepted_per_position=stats.accepted_per_position,
+                tried_per_position=stats.tried_per_position,
                 k=decoder.policy.k,
                 mean_k=stats.k_sum / stats.rounds if stats.rounds else 0.0,
                 target_prefill_tokens=stats.target_prefill,

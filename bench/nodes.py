@@ -1,0 +1,180 @@
+"""Two-node benchmark (make bench-nodes): two nodes emulated on this machine by
+pinning the target service to core 0 and the draft service to core 1 (one torch
+thread each), the orchestrator alongside. Modes, side by side in one run:
+  (a) target alone, one pinned core          (e) target alone, both cores
+  (b) Tandem sequential on the two nodes     (f) HF assisted in-process, both cores
+  (c) Tandem pipelined, fixed k = 2..5       (g) Tandem on the whole machine, unpinned
+  (d) Tandem pipelined, adaptive k
+Writes bench/results/nodes.json and nodes.png."""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
+
+import torch
+
+from bench.common import (PROMPTS, RESULTS, ModeResult, count_identical, hf_generate, load_hf, machine, prompt_ids,
+                          table, tandem_generate, write)
+
+log = logging.getLogger("bench.nodes")
+
+
+def pin(cpus: set[int], threads: int) -> None:
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads)
+
+
+def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks) -> dict[str, ModeResult]:
+    from tandem.launch import Deployment, Service
+    from tandem.redis_local import ensure_redis
+
+    target = Service("target", ["--model", args.target, "--dtype", args.dtype], threads=args.threads_per_node,
+                     cpus=cpus_target if pinned else None)
+    draft = Service("draft", ["--model", args.draft, "--dtype", args.dtype, *args.draft_args.split()],
+                    threads=args.threads_per_node, cpus=cpus_draft if pinned else None)
+    orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3",
+                    "--k-min", str(args.k_min), "--k-max", str(args.k_max)]
+    results = {}
+    with Deployment(target, draft, orchestrator) as deployment:
+        # One short warm-up request so that no mode pays for first-call costs.
+        tandem_generate(deployment.address, dict(list(prompts.items())[:1]), 4)
+        if pinned:
+            print("(b) Tandem sequential, two nodes …", flush=True)
+            results["b_sequential"] = tandem_generate(deployment.address, prompts, args.new_tokens,
+                                                      pipeline=False, num_draft_tokens=args.sequential_k)
+            for k in fixed_ks:
+                print(f"(c) Tandem pipelined, k={k} …", flush=True)
+                results[f"c_pipelined_k{k}"] = tandem_generate(deployment.address, prompts, args.new_tokens,
+                                                               pipeline=True, num_draft_tokens=k)
+            print("(d) Tandem pipelined, adaptive k …", flush=True)
+            results["d_pipelined_adaptive"] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=True)
+        else:
+            print("(g) Tandem on the whole machine, unpinned, pipelined adaptive …", flush=True)
+            results["g_whole_machine"] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=True)
+    return results
+
+
+def plot(path: Path, modes: dict[str, ModeResult], per_position: list[int], tried: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = list(modes)
+    left.barh(names, [modes[n].tok_s for n in names], color=["#888" if not n[0] in "bcdg" else "#2a7" for n in names])
+    left.set_xlabel("tokens / s")
+    left.set_title("Throughput per mode")
+    left.invert_yaxis()
+    rates = [a / t if t else 0 for a, t in zip(per_position, tried)]
+    right.bar(range(1, len(rates) + 1), rates, color="#27a")
+    right.set_xlabel("draft position")
+    right.set_ylabel("P(accepted | reached)")
+    right.set_ylim(0, 1)
+    right.set_title("Acceptance per draft position (pipelined, adaptive k)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
+    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target dtype")
+    parser.add_argument("--draft-args", default="--quantize int8 --vocab-subset 32768",
+                        help="extra flags for the draft service (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
+    parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
+    parser.add_argument("--fixed-ks", default="2,3,4,5", help="k values of mode (c)")
+    parser.add_argument("--sequential-k", type=int, default=3, help="k of mode (b)")
+    parser.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
+    parser.add_argument("--k-max", type=int, default=6, help="adaptive k upper bound")
+    parser.add_argument("--threads-per-node", type=int, default=1, help="torch threads per pinned service")
+    parser.add_argument("--skip", default="", help="comma-separated mode letters to skip (e.g. e,f)")
+    parser.add_argument("--out", default=str(RESULTS / "nodes.json"), help="JSON output path")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    skip = set(args.skip.split(",")) - {""}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        print("bench-nodes needs two cores", file=sys.stderr)
+        return 2
+    core_t, core_d = str(cores[0]), str(cores[1])
+
+    from transformers import AutoTokenizer
+
+    from tandem.default_models import resolve_model
+
+    target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
+    prompts = prompt_ids(AutoTokenizer.from_pretrained(target_path), args.prompts.split(","))
+    modes: dict[str, ModeResult] = {}
+
+    target = load_hf(target_path, args.dtype)
+    pin({cores[0]}, 1)
+    print("(a) target alone, one pinned core …", flush=True)
+    modes["a_target_one_core"] = reference = hf_generate(target, prompts, args.new_tokens)
+    pin(set(cores), len(cores))
+    if "e" not in skip:
+        print("(e) target alone, both cores …", flush=True)
+        modes["e_target_both_cores"] = hf_generate(target, prompts, args.new_tokens)
+    if "f" not in skip:
+        print("(f) HF assisted in-process, both cores …", flush=True)
+        draft = load_hf(draft_path, args.dtype)
+        modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft, k=3)
+        del draft
+    del target
+    gc.collect()
+    os.sched_setaffinity(0, set(cores))
+
+    fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k]
+    modes.update(tandem_modes(args, prompts, core_t, core_d, pinned=True, fixed_ks=fixed_ks))
+    if "g" not in skip:
+        modes.update(tandem_modes(args, prompts, core_t, core_d, pinned=False, fixed_ks=[]))
+    for result in modes.values():
+        result.identical = count_identical(result, reference)
+
+    def tok_s(name):
+        return modes[name].tok_s if name in modes else None
+
+    def ratio(a, b):
+        return tok_s(a) / tok_s(b) if tok_s(a) and tok_s(b) else None
+
+    adaptive = modes["d_pipelined_adaptive"]
+    sequential = modes["b_sequential"]
+    print("\n" + table(list(modes.items()), reference))
+    payload = {
+        "modes": {name: {k: v for k, v in vars(r).items() if k != "outputs"} for name, r in modes.items()},
+        "speedup_pipelined_vs_target_one_node": ratio("d_pipelined_adaptive", "a_target_one_core"),
+        "speedup_pipelined_vs_sequential": ratio("d_pipelined_adaptive", "b_sequential"),
+        "speedup_whole_machine_vs_hf_assisted": ratio("g_whole_machine", "f_hf_assisted_both_cores"),
+        "acceptance_rate": adaptive.acceptance_rate,
+        "tokens_per_round": adaptive.tokens_per_round,
+        "theory_tokens_per_round": adaptive.theory_tokens_per_round,
+        "sequential_tokens_per_round": sequential.tokens_per_round,
+        "sequential_theory_tokens_per_round": sequential.theory_tokens_per_round,
+        "predraft_hit_rate": adaptive.predraft_hit_rate,
+        "overhead_ms_per_round_p50": adaptive.overhead_ms_per_round_p50,
+        "sequential_overhead_ms_per_round_p50": sequential.overhead_ms_per_round_p50,
+        "dtype": args.dtype,
+        "draft_args": args.draft_args,
+        "new_tokens": args.new_tokens,
+        "prompts": list(prompts),
+        "machine": machine(),
+    }
+    out = Path(args.out)
+    write(out, payload)
+    plot(out.with_suffix(".png"), modes, adaptive.accepted_per_position, adaptive.tried_per_position)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
