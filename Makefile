@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 STUBS := tandem/v1/__init__.py
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
+NODES_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: help setup protos models redis demo test test-fast bench bench-nodes clean
 
@@ -37,7 +40,7 @@ redis: setup  ## Start a local Redis if REDIS_URL is unset and nothing listens o
 	@$(PY) -m tandem.redis_local
 
 demo: models redis  ## Set up everything and run the demo on the default pair
-	$(PY) -m tandem.demo
+	$(PY) -m tandem.demo $(DEMO_ARGS)
 
 test: models redis  ## Set up and run the whole test suite (includes the slow real-pair test)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -45,8 +48,12 @@ test: models redis  ## Set up and run the whole test suite (includes the slow re
 test-fast: setup redis  ## Tests without the real model pair
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: models redis  ## Benchmark: target alone, HF assisted, Tandem (bench/results/latest.json)
-	$(PY) -m bench.bench
+bench: models redis  ## Both benchmarks: bench/results/latest.json, then bench-nodes
+	$(PY) -m bench.bench $(BENCH_ARGS)
+	$(PY) -m bench.nodes $(NODES_ARGS)
+
+bench-nodes: models redis  ## Two-node benchmark (cores pinned): bench/results/nodes.json and nodes.png
+	$(PY) -m bench.nodes $(NODES_ARGS)
 
 clean:  ## Remove the generated stubs and the virtualenv
 	rm -rf tandem/v1 $(VENV) *.egg-info

@@ -8,26 +8,34 @@ log = logging.getLogger(__name__)
 
 
 class Detokenizer:
-    """Turns a growing list of completion token ids into text deltas, holding
-    back an incomplete multi-byte character until it is complete."""
+    """Turns a growing list of completion token ids into text deltas. Each step
+    decodes only a short window (as vLLM does), holding back an incomplete
+    multi-byte character until the next token completes it."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""  # text emitted so far
+        self._prefix = 0  # window start: ids before it are settled text
+        self._read = 0  # ids before it have been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def full_text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.tokenizer else ""
+        return self._decode(self.ids) if self.tokenizer else ""
 
     def add(self, ids: list[int]) -> str:
         self.ids.extend(ids)
         if self.tokenizer is None:
             return ""
-        text = self.full_text()
-        if text.endswith("\ufffd"):
+        before = self._decode(self.ids[self._prefix:self._read])
+        window = self._decode(self.ids[self._prefix:])
+        if len(window) <= len(before) or window.endswith("\ufffd"):
             return ""
-        delta = text[len(self.text):] if text.startswith(self.text) else text
-        self.text = text
+        delta = window[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
         return delta
 
 

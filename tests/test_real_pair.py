@@ -40,3 +40,39 @@ def test_real_pair_greedy_identical_to_target_alone(real_pair):
             assert text.text == tokenizer.decode(reference[:8], skip_special_tokens=True)
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_pair):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_pair[0])
+
+
+def test_streamed_text_deltas_add_up_to_the_decoded_text(tokenizer):
+    from orchestrator.text import Detokenizer
+
+    ids = tokenizer.encode("def f(x):\n    return x ** 2  # ünïcödé ✓ 你好世界 🚀 done")
+    detok, streamed = Detokenizer(tokenizer), ""
+    for i in range(0, len(ids), 2):
+        streamed += detok.add(ids[i:i + 2])
+    assert streamed == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("ended_with_eos", [True, False])
+def test_next_chat_turn_extends_the_committed_tokens(tokenizer, ended_with_eos):
+    """Committed turn 1 + the new turn's tokens = the template's rendering of the
+    whole conversation, so both caches are reused and nothing is re-encoded."""
+    from orchestrator.text import ChatTemplate
+
+    template = ChatTemplate(tokenizer)
+    user1 = {"role": "user", "content": "Reverse a string s in Python."}
+    reply = {"role": "assistant", "content": "Use s[::-1]."}
+    user2 = {"role": "user", "content": "And a list?"}
+    committed = template.first_turn([user1]) + tokenizer.encode(reply["content"])
+    if ended_with_eos:
+        committed.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    turn2 = template.next_turn([user1, reply], user2, committed)
+    whole = tokenizer.apply_chat_template([user1, reply, user2], tokenize=True, add_generation_prompt=True,
+                                          return_dict=False)
+    assert committed + turn2 == whole
