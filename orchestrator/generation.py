@@ -93,7 +93,7 @@ class Generation:
         rounds = decoder.rounds()
         try:
             async for newly in rounds:
-                keep, finish = self._cut(newly, completion, detok, params, room)
+                keep, finish = self._cut(newly, completion, params, room)
                 if keep:
                     await self.store.append_tokens(record, keep)
                     completion.extend(keep)
@@ -143,24 +143,19 @@ class Generation:
             if finish == tandem_pb2.FINISH_REASON_STOP:
                 outcome.text = _before_stop(outcome.text, params.stop)
 
-    def _cut(self, newly, completion, detok, params, room):
+    def _cut(self, newly, completion, params, room):
         """The part of a round's tokens to commit, and the finish reason it causes."""
-        budget = min(params.max_tokens - len(completion), room - len(completion))
-        for i, token in enumerate(newly):
-            if i >= budget:
-                reason = (tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens - len(completion) <= budget
-                          else tandem_pb2.FINISH_REASON_CONTEXT)
-                return newly[:i], reason
+        limit = min(params.max_tokens, room) - len(completion)
+        at_limit = tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens <= room else tandem_pb2.FINISH_REASON_CONTEXT
+        for i, token in enumerate(newly[:limit]):
             if token in self.eos_ids:
                 return newly[: i + 1], tandem_pb2.FINISH_REASON_EOS
             if params.stop and self.tokenizer is not None:
                 text = self.tokenizer.decode(completion + newly[: i + 1], skip_special_tokens=True)
                 if find_stop(text, list(params.stop)) >= 0:
                     return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP
-        if len(newly) == budget:
-            reason = (tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens - len(completion) <= budget
-                      else tandem_pb2.FINISH_REASON_CONTEXT)
-            return newly, reason
+        if len(newly) >= limit:
+            return newly[:limit], at_limit
         return newly, tandem_pb2.FINISH_REASON_UNSPECIFIED
 
 

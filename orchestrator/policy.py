@@ -27,15 +27,43 @@ class KPolicyConfig:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
 
 
+class LinearCost:
+    """verify_ms ≈ base + per_token · (k + 1), fitted by exponentially decayed
+    least squares. On a GPU per_token is near 0; on a CPU without native bf16 a
+    multi-token verify costs almost a decode per token, and k must stay small."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.seen: set[int] = set()
+
+    def observe(self, tokens: int, ms: float) -> None:
+        d = 1 - self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + tokens, d * self.sy + ms
+        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * ms
+        self.seen.add(tokens)
+
+    def __call__(self, tokens: int) -> float:
+        if self.n == 0:
+            return 0.0
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        variance = self.sxx / self.n - mean_x * mean_x
+        if len(self.seen) < 2 or variance <= 1e-9:
+            return mean_y  # one block length seen so far: no slope yet
+        slope = max(0.0, (self.sxy / self.n - mean_x * mean_y) / variance)
+        return max(0.0, mean_y + slope * (tokens - mean_x))
+
+
 class KPolicy:
-    """Tracks α, t_draft and t_verify as EMAs and picks k maximizing tokens per second."""
+    """Tracks α and the draft step cost as EMAs and the verify cost as a linear
+    function of the block length, and picks the k that maximizes tokens per second."""
 
     def __init__(self, config: KPolicyConfig, pipelined: bool):
         self.config = config
         self.pipelined = pipelined
         self.alpha: float | None = None
         self.draft_step_ms: float | None = None
-        self.verify_ms: float | None = None
+        self.verify_cost = LinearCost(decay=config.ema / 2)
         self.k = config.k
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -48,12 +76,12 @@ class KPolicy:
         if draft_step_ms > 0:
             self.draft_step_ms = self._ema(self.draft_step_ms, draft_step_ms)
         if verify_ms > 0:
-            self.verify_ms = self._ema(self.verify_ms, verify_ms)
+            self.verify_cost.observe(drafted + 1, verify_ms)
         if self.config.adaptive:
             self.k = self.best_k()
 
     def round_ms(self, k: int) -> float:
-        t_draft, t_verify, alpha = self.draft_step_ms, self.verify_ms, self.alpha
+        t_draft, t_verify, alpha = self.draft_step_ms, self.verify_cost(k + 1), self.alpha
         if not self.pipelined:
             return k * t_draft + t_verify
         # The next block is pre-drafted during the verify. It is used when all k
@@ -62,7 +90,9 @@ class KPolicy:
         return t_verify + hit * max(0.0, (k + 1) * t_draft - t_verify) + (1 - hit) * k * t_draft
 
     def best_k(self) -> int:
-        if self.alpha is None or self.draft_step_ms is None or self.verify_ms is None:
+        if self.alpha is None or self.draft_step_ms is None or self.verify_cost.n == 0:
             return self.k
         candidates = range(self.config.k_min, self.config.k_max + 1)
-        return max(candidates, key=lambda k: expected_tokens_per_round(self.alpha, k) / self.round_ms(k))
+        rate = {k: expected_tokens_per_round(self.alpha, k) / max(self.round_ms(k), 1e-9) for k in candidates}
+        best = max(rate.values())
+        return min(k for k in candidates if rate[k] >= best * (1 - 1e-6))  # ties: less wasted drafting

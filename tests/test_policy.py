@@ -51,3 +51,19 @@ def test_pipelined_k_stops_where_the_draft_outlasts_the_verify():
     k + 1 tokens outlasts the verify, so a longer block buys nothing."""
     policy = KPolicy(KPolicyConfig(k=2, k_min=1, k_max=8), pipelined=True)
     assert _run(policy, alpha_accepts=True, draft_ms=20.0, verify_ms=100.0) == 4
+
+
+def test_k_shrinks_when_each_verified_token_costs_almost_a_decode():
+    """A CPU without native bf16: verify(k+1) ≈ 440 + 300·k ms. Even at high
+    acceptance a long block does not pay, and the policy must learn the slope."""
+    policy = KPolicy(KPolicyConfig(k=4, k_min=1, k_max=8), pipelined=False)
+    for _ in range(40):
+        k = policy.k
+        accepted = k if _ % 5 else k - 1  # α ≈ 0.8
+        policy.observe(k, accepted, 50.0, 440.0 + 300.0 * k)
+    assert policy.k <= 2
+    flat = KPolicy(KPolicyConfig(k=4, k_min=1, k_max=8), pipelined=False)
+    for _ in range(40):
+        k = flat.k
+        flat.observe(k, k if _ % 5 else k - 1, 50.0, 440.0)  # a GPU: verify cost flat in k
+    assert flat.k > policy.k

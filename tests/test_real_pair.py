@@ -38,6 +38,12 @@ def test_real_pair_greedy_identical_to_target_alone(real_pair):
             text = client.generate(tokenizer.decode(prompt), max_tokens=8, num_draft_tokens=2)
             assert text.token_ids == reference[:8]  # text prompts tokenize to the same ids
             assert text.text == tokenizer.decode(reference[:8], skip_special_tokens=True)
+            full = tokenizer.decode(reference, skip_special_tokens=True)
+            stop = full[len(full) // 2:][:3]  # a string the completion is known to produce
+            stopped = client.generate(prompt_ids=prompt, max_tokens=NEW_TOKENS, stop=[stop])
+            assert stopped.finish_reason == "stop"
+            assert stopped.text == full[: full.index(stop)]
+            assert stopped.token_ids == reference[: len(stopped.token_ids)]
     finally:
         cluster.stop()
 
