@@ -34,10 +34,11 @@ def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks)
     from tandem.launch import Deployment, Service
     from tandem.redis_local import ensure_redis
 
-    target = Service("target", ["--model", args.target, "--dtype", args.dtype], threads=args.threads_per_node,
+    threads = args.threads_per_node if pinned else args.whole_threads
+    target = Service("target", ["--model", args.target, "--dtype", args.dtype], threads=threads,
                      cpus=cpus_target if pinned else None)
     draft = Service("draft", ["--model", args.draft, "--dtype", args.dtype, *args.draft_args.split()],
-                    threads=args.threads_per_node, cpus=cpus_draft if pinned else None)
+                    threads=threads, cpus=cpus_draft if pinned else None)
     orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3",
                     "--k-min", str(args.k_min), "--k-max", str(args.k_max)]
     results = {}
@@ -55,8 +56,10 @@ def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks)
             print("(d) Tandem pipelined, adaptive k …", flush=True)
             results["d_pipelined_adaptive"] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=True)
         else:
-            print("(g) Tandem on the whole machine, unpinned, pipelined adaptive …", flush=True)
-            results["g_whole_machine"] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=True)
+            print(f"(g) Tandem on the whole machine, unpinned, {threads} threads per service, "
+                  f"pipeline {args.whole_pipeline}, adaptive k …", flush=True)
+            results["g_whole_machine"] = tandem_generate(deployment.address, prompts, args.new_tokens,
+                                                         pipeline=args.whole_pipeline == "on")
     return results
 
 
@@ -96,6 +99,10 @@ def main(argv=None) -> int:
     parser.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
     parser.add_argument("--k-max", type=int, default=6, help="adaptive k upper bound")
     parser.add_argument("--threads-per-node", type=int, default=1, help="torch threads per pinned service")
+    parser.add_argument("--whole-threads", type=int, default=2,
+                        help="(g): torch threads per service on the unpinned machine (default: %(default)s)")
+    parser.add_argument("--whole-pipeline", choices=["on", "off"], default="off",
+                        help="(g): pipelining on the unpinned machine; off suits services that use every core")
     parser.add_argument("--skip", default="", help="comma-separated mode letters to skip (e.g. e,f)")
     parser.add_argument("--out", default=str(RESULTS / "nodes.json"), help="JSON output path")
     args = parser.parse_args(argv)
@@ -165,6 +172,7 @@ def main(argv=None) -> int:
         "sequential_overhead_ms_per_round_p50": sequential.overhead_ms_per_round_p50,
         "dtype": args.dtype,
         "draft_args": args.draft_args,
+        "whole_machine": {"threads_per_service": args.whole_threads, "pipeline": args.whole_pipeline},
         "new_tokens": args.new_tokens,
         "prompts": list(prompts),
         "machine": machine(),

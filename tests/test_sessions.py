@@ -75,6 +75,9 @@ def test_cancelled_request_keeps_committed_tokens_and_next_turn_is_exact(random_
     history = TURN1 + committed_turn1 + TURN2
     assert second.token_ids == reference_greedy(tiny_models["target"], history, 10)
     assert record.tokens == history + second.token_ids
+    # Both services continued from their caches: the right prefix, no re-sync.
+    assert second.stats.cache_misses == 0
+    assert second.stats.target_prefill_tokens <= len(TURN2) + second.stats.rounds + 1
 
 
 def test_session_cache_store_evicts_least_recently_used():
