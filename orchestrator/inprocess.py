@@ -1,0 +1,55 @@
+"""In-process implementations of the Proposer and Verifier interfaces, calling
+the services' typed cores directly: for unit tests of the orchestrator's
+scheduling logic without sockets. End-to-end tests use the gRPC clients."""
+from __future__ import annotations
+
+import threading
+
+from orchestrator.backends import DraftBlock, Prefix, ServiceCacheMiss, VerifyResult
+from tandem.sampling import SamplingParams
+from tandem.session_cache import CacheMiss
+from tandem.wire import decode_distribution, encode_distribution
+
+
+class InProcessProposer:
+    def __init__(self, drafter):
+        self.drafter = drafter  # draft_service.drafters.Drafter
+
+    async def propose(self, session_id: str, prefix: Prefix, new_tokens: list[int], k: int,
+                      sampling: SamplingParams, bonus_guess: bool = False) -> DraftBlock:
+        from draft_service.drafters import ProposeCall
+
+        call = ProposeCall(session_id, prefix.length, prefix.fingerprint, list(new_tokens), k, sampling,
+                           not sampling.greedy, bonus_guess)
+        try:
+            proposal = self.drafter.propose(call, threading.Event())
+        except CacheMiss as miss:
+            raise ServiceCacheMiss(str(miss)) from None
+        return DraftBlock(proposal.tokens, proposal.token_probs, [encode_distribution(d) for d in proposal.dists],
+                          proposal.prefilled, proposal.compute_ms, proposal.step_ms)
+
+    async def release(self, session_id: str) -> None:
+        self.drafter.store.release(session_id)
+
+
+class InProcessVerifier:
+    def __init__(self, verifier):
+        self.verifier = verifier  # target_service.verifier.Verifier
+
+    async def verify(self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
+                     sampling: SamplingParams) -> VerifyResult:
+        import torch
+
+        from target_service.verifier import VerifyCall
+
+        dists = torch.stack([decode_distribution(d) for d in block.distributions]) if block.distributions else None
+        call = VerifyCall(session_id, prefix.length, prefix.fingerprint, list(new_tokens), list(block.tokens),
+                          list(block.token_probs), dists, sampling)
+        try:
+            outcome = self.verifier.verify(call)
+        except CacheMiss as miss:
+            raise ServiceCacheMiss(str(miss)) from None
+        return VerifyResult(outcome.accepted, outcome.next_token, outcome.prefilled, outcome.compute_ms)
+
+    async def release(self, session_id: str) -> None:
+        self.verifier.store.release(session_id)

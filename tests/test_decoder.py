@@ -1,0 +1,63 @@
+"""The decoder's scheduling logic with in-process services (no sockets)."""
+import pytest
+import torch
+
+from draft_service.drafters import ModelDrafter
+from orchestrator.decoder import Committed, Decoder, ServiceView
+from orchestrator.inprocess import InProcessProposer, InProcessVerifier
+from orchestrator.policy import KPolicy, KPolicyConfig
+from tandem.modeling import ModelConfig, ModelRunner, load
+from tandem.sampling import SamplingParams
+from tandem.session_cache import SessionCacheStore
+from target_service.verifier import Verifier
+from tests.conftest import reference_greedy
+
+
+def _services(model_dir: str):
+    def runner_and_store():
+        runner = ModelRunner(load(ModelConfig(model_dir, dtype="float32")), "cpu")
+        return runner, SessionCacheStore(runner.new_cache)
+
+    draft_runner, draft_store = runner_and_store()
+    target_runner, target_store = runner_and_store()
+    return (InProcessProposer(ModelDrafter(draft_runner, draft_store)),
+            InProcessVerifier(Verifier(target_runner, target_store)))
+
+
+async def _decode(proposer, verifier, prompt, tokens, pipeline, k=3):
+    decoder = Decoder(proposer, verifier, f"s-{pipeline}-{k}", Committed(prompt), ServiceView(0), ServiceView(0),
+                      SamplingParams(), KPolicy(KPolicyConfig(k=k, adaptive=False), pipeline), pipeline)
+    out = []
+    rounds = decoder.rounds()
+    async for newly in rounds:
+        out += newly
+        if len(out) >= tokens:
+            break
+    await rounds.aclose()
+    return out[:tokens], decoder
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_in_process_decoder_matches_target_alone(tiny_models, pipeline):
+    proposer, verifier = _services(tiny_models["target"])
+    prompt = [4, 8, 15, 16, 23, 42]
+    out, decoder = await _decode(proposer, verifier, prompt, 30, pipeline)
+    assert out == reference_greedy(tiny_models["target"], prompt, 30)
+    stats = decoder.stats
+    assert stats.accepted == stats.drafted  # draft = target
+    if pipeline:
+        # Every block is accepted whole and the draft guesses the bonus right, so
+        # every round after the first verifies a pre-drafted block.
+        assert stats.predraft_hits >= stats.rounds - 2
+    assert stats.cache_misses == 0
+
+
+async def test_views_follow_what_each_service_holds(tiny_models):
+    proposer, verifier = _services(tiny_models["target"])
+    out, decoder = await _decode(proposer, verifier, [1, 2, 3], 12, pipeline=False, k=2)
+    committed = decoder.committed.tokens
+    target_cache = verifier.verifier.store._sessions[decoder.session_id]
+    draft_cache = proposer.drafter.store._sessions[decoder.session_id]
+    for view, cache in ((decoder.target_view, target_cache), (decoder.draft_view, draft_cache)):
+        assert view.length <= len(cache.tokens)
+        assert cache.tokens[: view.length] == committed[: view.length]
