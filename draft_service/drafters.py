@@ -87,6 +87,7 @@ class NgramDrafter:
         cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
         cache.append(call.new_tokens)
         found = self._lookup_proposal(cache, call, cropped, start)
+        self.store.enforce_budget(keep=call.session_id)
         return found or Proposal([], [], [], len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3, 0.0)
 
 
@@ -156,4 +157,7 @@ class NgramModelDrafter(ModelDrafter):
         cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
         cache.append(call.new_tokens)
         found = self.ngram._lookup_proposal(cache, call, cropped, start)
-        return found or self._draft(cache, call, cancelled, cropped, start)
+        if found is None:
+            return self._draft(cache, call, cancelled, cropped, start)
+        self.store.enforce_budget(keep=call.session_id)
+        return found

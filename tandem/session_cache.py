@@ -106,6 +106,9 @@ class SessionCacheStore:
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
         self._sessions: OrderedDict[str, SessionCache] = OrderedDict()
+        self._bytes: dict[str, int] = {}  # per session, as of its last enforce_budget
+        self._total = 0
+        self._next_expiry = 0.0
         self.counters = CacheCounters()
 
     def __len__(self) -> int:
@@ -134,23 +137,29 @@ class SessionCacheStore:
         return cache, cache.crop(prefix_len)
 
     def release(self, session_id: str) -> bool:
+        self._total -= self._bytes.pop(session_id, 0)
         return self._sessions.pop(session_id, None) is not None
 
     def total_bytes(self) -> int:
-        return sum(cache.nbytes() for cache in self._sessions.values())
+        return self._total
 
-    def enforce_budget(self, keep: str | None = None) -> list[str]:
-        """Evicts least recently used sessions (never `keep`) until under budget."""
+    def enforce_budget(self, keep: str) -> list[str]:
+        """Accounts for `keep`'s new size (it was just used), then evicts least
+        recently used sessions, never `keep`, until under budget. O(evicted)."""
+        cache = self._sessions.get(keep)
+        if cache is not None:
+            size = cache.nbytes()
+            self._total += size - self._bytes.get(keep, 0)
+            self._bytes[keep] = size
         evicted = []
         if not self.budget_bytes:
             return evicted
-        total = self.total_bytes()
         for session_id in list(self._sessions):
-            if total <= self.budget_bytes:
+            if self._total <= self.budget_bytes:
                 break
             if session_id == keep:
                 continue
-            total -= self._sessions.pop(session_id).nbytes()
+            self.release(session_id)
             evicted.append(session_id)
         self.counters.evictions += len(evicted)
         for session_id in evicted:
@@ -158,10 +167,14 @@ class SessionCacheStore:
         return evicted
 
     def expire_idle(self) -> None:
-        if not self.ttl_s:
+        """Drops sessions idle past the TTL; scans at most once a second."""
+        now = time.monotonic()
+        if not self.ttl_s or now < self._next_expiry:
             return
-        deadline = time.monotonic() - self.ttl_s
-        for session_id in [s for s, c in self._sessions.items() if c.last_used < deadline]:
-            del self._sessions[session_id]
+        self._next_expiry = now + 1.0
+        for session_id, cache in list(self._sessions.items()):  # least recently used first
+            if cache.last_used >= now - self.ttl_s:
+                break
+            self.release(session_id)
             self.counters.evictions += 1
             log.info("expired idle session %s", session_id)

@@ -93,12 +93,14 @@ def test_session_cache_store_evicts_least_recently_used():
             pass
 
     store = SessionCacheStore(FakeKV, budget_bytes=200)
-    for name in ("a", "b", "c"):
+    evicted = []
+    for name in ("a", "b", "c"):  # as the services do: use a session, then enforce the budget
         cache, _ = store.checkout(name, 0, 0)
         cache.append([1, 2, 3])
-        cache.kv.layers[0].keys = torch.zeros(10)  # 40 bytes each
-    evicted = store.enforce_budget(keep="c")
-    assert evicted == ["a"] and "b" in store and "c" in store  # 40 + 3 * 16 bytes each, 264 in all
+        cache.kv.layers[0].keys = torch.zeros(10)  # 40 bytes + 3 tokens * 16 = 88 bytes each
+        evicted += store.enforce_budget(keep=name)
+    assert evicted == ["a"] and "b" in store and "c" in store
+    assert store.total_bytes() == 176 and store.counters.evictions == 1
     with pytest.raises(CacheMiss):
         store.checkout("a", 3, 0)
     cache, cropped = store.checkout("b", 2, store._sessions["b"].fps[1])
