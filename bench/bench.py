@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import PROMPTS, RESULTS, ModeResult, count_identical, hf_generate, load_hf, machine, prompt_ids, table, tandem_generate, write
+from bench.common import PROMPTS, RESULTS, count_identical, hf_generate, load_hf, machine, prompt_ids, table, tandem_generate, write
 
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli

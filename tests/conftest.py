@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from tandem import serving
 from tandem.model_service import CacheConfig
 from tandem.modeling import ModelConfig
 

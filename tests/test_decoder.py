@@ -1,6 +1,5 @@
 """The decoder's scheduling logic with in-process services (no sockets)."""
 import pytest
-import torch
 
 from draft_service.drafters import ModelDrafter
 from orchestrator.decoder import Committed, Decoder, ServiceView
