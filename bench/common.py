@@ -52,11 +52,11 @@ class ModeResult:
 
 
 def load_hf(path: str, dtype: str):
-    from transformers import AutoModelForCausalLM
+    """The bare HF model with the kernels a model service would use for `dtype`
+    (float32 on a CPU: packed oneDNN linear layers, see tandem.cpu_kernels)."""
+    from tandem.modeling import ModelConfig, load_causal_lm
 
-    from tandem.modeling import DTYPES
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    return load_causal_lm(path, ModelConfig(path, dtype=dtype))
 
 
 def hf_generate(model, prompts: dict[str, list[int]], new_tokens: int, assistant=None, k: int = 4) -> ModeResult:

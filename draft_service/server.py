@@ -10,6 +10,7 @@ import grpc
 from draft_service.cheap import ReducedHead, frequent_token_ids, quantize_int8
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
 from tandem import serving
+from tandem.cpu_kernels import pack_linears
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
 from tandem.modeling import ModelConfig, ModelRunner, load, load_identity
 from tandem.session_cache import NullKV, SessionCacheStore
@@ -66,13 +67,15 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             super().__init__(info, store, "draft-ngram")
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
             return
-        if options.quantize == "int8" and model.dtype != "float32":
+        if options.quantize == "int8" and model.resolved_dtype != "float32":
             log.info("int8 quantization computes in float32: loading the draft in float32")
             model = replace(model, dtype="float32")
-        info = load(model)
+        info = load(model, pack=False)
         lm_head = info.model.get_output_embeddings().weight.detach()  # before quantization replaces it
         if options.quantize == "int8":
             info = replace(info, model=quantize_int8(info.model))
+        elif model.packed:
+            pack_linears(info.model)
         runner = ModelRunner(info, model.device)
         store = SessionCacheStore(runner.new_cache, budget, cache.session_ttl_s)
         super().__init__(info, store, "draft-model")

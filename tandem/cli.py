@@ -28,8 +28,12 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
     p.add_argument("--model", default=default_model,
                    help="local directory, hub id, or default-target / default-draft (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                   help="weights and compute dtype (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="weights and compute dtype; auto = bfloat16 on GPUs and on CPUs with native bf16, "
+                        "else float32 with packed linear layers (default: %(default)s)")
+    p.add_argument("--linear", default="auto", choices=["auto", "native", "packed"],
+                   help="linear kernels: packed = oneDNN with weights reordered at load (CPU, float32); "
+                        "auto = packed where it applies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
@@ -130,7 +134,8 @@ def _serve(args) -> None:
             await servicer.connect(wait_s=args.wait)
             name = "tandem.v1.Tandem"
         else:
-            model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+            model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+                                linear=args.linear)
             cache = CacheConfig(budget_mb=args.cache_mb, session_ttl_s=args.session_ttl)
             if args.role == "target":
                 from target_service.server import SERVICE_NAME as name, build_server

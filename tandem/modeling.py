@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from tandem import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,16 +27,28 @@ class ModelConfig:
 
     model: str  # local directory, hub id, or an alias of tandem.default_models
     device: str = "cpu"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # "auto": bfloat16 on GPUs and bf16-native CPUs, else float32 (tandem.cpu_kernels)
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    linear: str = "auto"  # "packed": oneDNN float32 layers (CPU); "native": nn.Linear; "auto": packed where it fits
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.linear not in cpu_kernels.LINEAR_KERNELS:
+            raise ValueError(f"linear must be one of {cpu_kernels.LINEAR_KERNELS}, got {self.linear!r}")
+        cpu_kernels.use_packed(self.linear, self.device, self.resolved_dtype)  # raises on an impossible choice
+
+    @property
+    def resolved_dtype(self) -> str:
+        return cpu_kernels.auto_dtype(self.device) if self.dtype == "auto" else self.dtype
+
+    @property
+    def packed(self) -> bool:
+        return cpu_kernels.use_packed(self.linear, self.device, self.resolved_dtype)
 
 
 @dataclass(frozen=True)
@@ -48,17 +62,31 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
 
-def load(config: ModelConfig) -> LoadedModel:
+def load_causal_lm(path: str, config: ModelConfig, pack: bool = True) -> torch.nn.Module:
+    """The bare Hugging Face model, in eval mode on its device, with packed
+    linear layers where the config asks for them (and `pack` allows)."""
+    log.info("loading %s (%s, %s, %s linear)", path, config.device, config.resolved_dtype,
+             "packed" if config.packed and pack else "native")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.resolved_dtype])
+    model.to(config.device).eval()
+    if pack and config.packed:
+        cpu_kernels.pack_linears(model)
+    return model
+
+
+def load(config: ModelConfig, pack: bool = True) -> LoadedModel:
+    """The model with its identity. pack=False leaves nn.Linear layers for a
+    caller that transforms them first (the draft's int8 and reduced head)."""
     from tandem.default_models import resolve_model
 
     if config.threads:
         torch.set_num_threads(config.threads)
     path = resolve_model(config.model)
-    log.info("loading %s (%s, %s)", path, config.device, config.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.dtype])
-    model.to(config.device).eval()
+    model = load_causal_lm(path, config, pack=False)
     tokenizer = load_tokenizer(path)
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    if pack and config.packed:
+        cpu_kernels.pack_linears(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
