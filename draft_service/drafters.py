@@ -132,6 +132,8 @@ class ModelDrafter:
             self.store.release(call.session_id)  # a half-written cache is never reused
             raise
         self.store.enforce_budget(keep=call.session_id)
+        if len(call.new_tokens) > 1 and len(steps_ms) > 1:
+            steps_ms = steps_ms[1:]  # the first step also prefilled: not a draft step's cost
         return Proposal(tokens, probs, dists, len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3,
                         sum(steps_ms) / len(steps_ms) if steps_ms else 0.0)
 

@@ -193,7 +193,9 @@ class Decoder:
         self.draft_view.settle(before, newly)
         self.target_view.settle(before, newly)
         self.stats.record(block, result)
-        self.policy.observe(len(block.tokens), result.accepted, block.step_ms, result.compute_ms)
+        # A verify that also prefilled (a prompt, a re-sync) says nothing about the block's cost.
+        verify_ms = result.compute_ms if result.prefilled <= 1 else 0.0
+        self.policy.observe(len(block.tokens), result.accepted, block.step_ms, verify_ms)
         return newly
 
     def _launch(self, block: DraftBlock) -> tuple[asyncio.Task, asyncio.Task | None]:

@@ -27,43 +27,54 @@ class KPolicyConfig:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
 
 
-class LinearCost:
-    """verify_ms ≈ base + per_token · (k + 1), fitted by exponentially decayed
-    least squares. On a GPU per_token is near 0; on a CPU without native bf16 a
-    multi-token verify costs almost a decode per token, and k must stay small."""
+class CostTable:
+    """verify_ms as a function of the tokens verified (k + 1): an EMA per block
+    length seen, linear interpolation between seen lengths and flat beyond them.
 
-    def __init__(self, decay: float):
-        self.decay = decay
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.seen: set[int] = set()
+    No shape is assumed: on a GPU the cost is flat in k; on a CPU without native
+    bf16 it grows by almost a decode per token; with packed float32 kernels it
+    is a step (1-2 tokens cost the same, 4-8 tokens about 1.5x that). Unseen
+    lengths are estimated optimistically (flat above the longest seen,
+    proportional below the shortest), so one gets tried once and then costs what
+    it measured."""
+
+    def __init__(self, ema: float):
+        self.ema = ema
+        self.ms: dict[int, float] = {}
+
+    @property
+    def n(self) -> int:
+        return len(self.ms)
 
     def observe(self, tokens: int, ms: float) -> None:
-        d = 1 - self.decay
-        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + tokens, d * self.sy + ms
-        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * ms
-        self.seen.add(tokens)
+        old = self.ms.get(tokens)
+        self.ms[tokens] = ms if old is None else (1 - self.ema) * old + self.ema * ms
 
     def __call__(self, tokens: int) -> float:
-        if self.n == 0:
+        if not self.ms:
             return 0.0
-        mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        variance = self.sxx / self.n - mean_x * mean_x
-        if len(self.seen) < 2 or variance <= 1e-9:
-            return mean_y  # one block length seen so far: no slope yet
-        slope = max(0.0, (self.sxy / self.n - mean_x * mean_y) / variance)
-        return max(0.0, mean_y + slope * (tokens - mean_x))
+        if tokens in self.ms:
+            return self.ms[tokens]
+        below = [n for n in self.ms if n < tokens]
+        above = [n for n in self.ms if n > tokens]
+        if not below:  # at most proportional to the tokens: a lower bound for every kernel we know
+            return self.ms[min(above)] * tokens / min(above)
+        if not above:
+            return self.ms[max(below)]
+        lo, hi = max(below), min(above)
+        return self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (tokens - lo) / (hi - lo)
 
 
 class KPolicy:
-    """Tracks α and the draft step cost as EMAs and the verify cost as a linear
-    function of the block length, and picks the k that maximizes tokens per second."""
+    """Tracks α and the draft step cost as EMAs and the verify cost per block
+    length, and picks the k that maximizes expected tokens per second."""
 
     def __init__(self, config: KPolicyConfig, pipelined: bool):
         self.config = config
         self.pipelined = pipelined
         self.alpha: float | None = None
         self.draft_step_ms: float | None = None
-        self.verify_cost = LinearCost(decay=config.ema / 2)
+        self.verify_cost = CostTable(config.ema)
         self.k = config.k
 
     def _ema(self, old: float | None, new: float) -> float:

@@ -67,3 +67,18 @@ def test_k_shrinks_when_each_verified_token_costs_almost_a_decode():
         k = flat.k
         flat.observe(k, k if _ % 5 else k - 1, 50.0, 440.0)  # a GPU: verify cost flat in k
     assert flat.k > policy.k
+
+
+def test_k_follows_a_step_shaped_verify_cost():
+    """Packed float32 kernels on a CPU: verifying 1-2 tokens costs the same,
+    4-9 tokens about 1.5x that. From k = 1 the policy must find the long blocks
+    that pay, by trying an unseen length once and keeping what it measured."""
+    cost = {2: 520.0, 3: 650.0, 4: 780.0, 5: 790.0, 6: 800.0, 7: 805.0, 8: 808.0, 9: 810.0}
+    policy = KPolicy(KPolicyConfig(k=1, k_min=1, k_max=8), pipelined=False)
+    tried = set()
+    for i in range(60):
+        k = policy.k
+        tried.add(k)
+        policy.observe(k, k if i % 8 else k - 1, 60.0, cost[k + 1])
+    assert policy.k >= 5
+    assert len(tried) <= 5  # it explores a few lengths, not all of them
