@@ -249,6 +249,9 @@ class Decoder:
                     waited_ms_draft = 0.0
                 now = time.perf_counter()
                 self.stats.overhead_ms.append((now - round_start) * 1e3 - waited_ms - waited_ms_draft)
+                log.debug("round %d: accepted %d, verify %.0f ms, waited for the draft %.0f ms, wall %.0f ms, "
+                          "next block %s", self.stats.rounds, result.accepted, result.compute_ms, waited_ms_draft,
+                          (now - round_start) * 1e3, "pre-drafted" if prefetch is None else "drafted after")
                 round_start, waited_ms = now, 0.0
         finally:
             for task in tasks:
