@@ -93,13 +93,29 @@ class NgramDrafter:
 
 class ModelDrafter:
     """Drafts autoregressively with a small causal LM on a per-session KV cache,
-    optionally scoring only a token subset (ReducedHead)."""
+    optionally scoring only a token subset (ReducedHead).
 
-    def __init__(self, runner: ModelRunner, store: SessionCacheStore, head: ReducedHead | None = None):
+    Under greedy decoding it stops a block early once the draft's probability of
+    its own token falls below min_confidence (0 = never): a token it doubts is
+    likely rejected, and the tokens after it more so, so drafting them costs
+    draft steps for little. The target still verifies every token proposed."""
+
+    def __init__(self, runner: ModelRunner, store: SessionCacheStore, head: ReducedHead | None = None,
+                 min_confidence: float = 0.0):
         self.runner = runner
         self.store = store
         self.head = head
+        self.min_confidence = min_confidence
         self.vocab_size = runner.loaded.vocab_size
+
+    def _doubts(self, logits: torch.Tensor, token: int, call: ProposeCall, drafted: int) -> bool:
+        """Whether to stop after `drafted` tokens: greedy only, and a pre-draft
+        keeps at least its bonus guess and one token after it."""
+        if not self.min_confidence or not call.sampling.greedy or drafted >= call.num_tokens:
+            return False
+        if drafted < (2 if call.first_is_bonus_guess else 1):
+            return False
+        return float(torch.softmax(logits, dim=-1)[token]) < self.min_confidence
 
     def _next_logits(self, cache: SessionCache) -> torch.Tensor:
         """Runs the unfed history through the model; [vocab] logits of the next token."""
@@ -128,6 +144,8 @@ class ModelDrafter:
                     probs.append(prob)
                     if call.return_dists:
                         dists.append(dist)
+                if self._doubts(logits, token, call, len(tokens)):
+                    break
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused
             raise
@@ -150,8 +168,8 @@ class NgramModelDrafter(ModelDrafter):
     forward when it is needed."""
 
     def __init__(self, runner: ModelRunner, store: SessionCacheStore, head: ReducedHead | None = None,
-                 ngram_max: int = 4):
-        super().__init__(runner, store, head)
+                 ngram_max: int = 4, min_confidence: float = 0.0):
+        super().__init__(runner, store, head, min_confidence)
         self.ngram = NgramDrafter(store, self.vocab_size, ngram_max)
 
     def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:

@@ -31,12 +31,15 @@ class DraftOptions:
     vocab_subset: int = 0  # FR-Spec: score only the N most frequent tokens; 0 = all
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
     quantize: str = "none"  # "int8": int8 dynamic quantization of the draft's linear layers
+    min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.vocab_subset < 0 or self.ngram_max < 1:
             raise ValueError("vocab_subset must be >= 0 and ngram_max >= 1")
+        if not 0 <= self.min_confidence < 1:
+            raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"quantize must be 'none' or 'int8', got {self.quantize!r}")
 
@@ -46,6 +49,7 @@ class DraftOptions:
         if self.backend != "ngram":
             label += "/int8" if self.quantize == "int8" else ""
             label += f"/vocab={self.vocab_subset}" if self.vocab_subset else ""
+            label += f"/confidence>={self.min_confidence:g}" if self.min_confidence else ""
         return label
 
 
@@ -85,9 +89,9 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             head = ReducedHead(lm_head, ids, int8=options.quantize == "int8")
             log.info("reduced draft head: %d of %d tokens", len(ids), info.vocab_size)
         if options.backend == "ngram+model":
-            self.drafter = NgramModelDrafter(runner, store, head, options.ngram_max)
+            self.drafter = NgramModelDrafter(runner, store, head, options.ngram_max, options.min_confidence)
         else:
-            self.drafter = ModelDrafter(runner, store, head)
+            self.drafter = ModelDrafter(runner, store, head, options.min_confidence)
 
     def _call(self, request) -> ProposeCall:
         self.check_session(request)

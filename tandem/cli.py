@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by prompt lookup")
     draft.add_argument("--quantize", default="none", choices=["none", "int8"],
                        help="int8 dynamic quantization of the draft's linear layers (computes in float32)")
+    draft.add_argument("--min-confidence", type=float, default=0.0,
+                       help="greedy: end a draft block after a token the draft gives a probability below this "
+                            "(Hugging Face's assistant_confidence_threshold); 0 = never (default: %(default)s)")
     orch = serve.add_parser("orchestrator", help="the public API server")
     orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")
@@ -145,7 +148,7 @@ def _serve(args) -> None:
                 from draft_service.server import SERVICE_NAME as name, DraftOptions, build_server
 
                 options = DraftOptions(backend=args.backend, vocab_subset=args.vocab_subset, ngram_max=args.ngram_max,
-                                       quantize=args.quantize)
+                                       quantize=args.quantize, min_confidence=args.min_confidence)
                 server, port, health, _ = build_server(address, model, cache, options)
         await server.start()
         await serving.set_serving(health, [name], True)

@@ -51,3 +51,20 @@ def test_ngram_drafts_are_accepted_on_repetitive_output(tiny_models):
         assert result.stats.accepted_tokens > 0
     finally:
         cluster.stop()
+
+
+def test_confidence_stop_ends_blocks_early_and_stays_lossless(tiny_models):
+    """A draft that doubts its tokens stops early (blocks shorter than k), and the
+    output is still the target alone's, pipelined or not."""
+    prompt = [3, 9, 27, 81, 16, 48]
+    reference = reference_greedy(tiny_models["target"], prompt, 30)
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], k=6,
+                      draft_options=DraftOptions(min_confidence=0.9))
+    try:
+        with cluster.client() as client:
+            for pipeline in (False, True):
+                result = client.generate(prompt_ids=prompt, max_tokens=30, pipeline=pipeline, num_draft_tokens=6)
+                assert result.token_ids == reference
+                assert result.stats.drafted_tokens < 6 * result.stats.rounds  # some blocks were cut short
+    finally:
+        cluster.stop()
