@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import PROMPTS, RESULTS, count_identical, hf_generate, load_hf, machine, prompt_ids, table, tandem_generate, write
+from bench.common import PROMPTS, RESULTS, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype, table, tandem_generate, write
 
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
@@ -49,10 +49,7 @@ def main(argv=None) -> int:
     prompts = prompt_ids(AutoTokenizer.from_pretrained(target_path), args.prompts.split(","))
     torch.set_num_threads(args.threads)
 
-    if args.dtype == "auto":
-        from tandem.cpu_kernels import auto_dtype
-
-        args.dtype = auto_dtype("cpu")
+    args.dtype = resolve_dtype(args.dtype)
     other_targets = {}
     for dtype in [d for d in args.baseline_dtypes.split(",") if d and d != args.dtype]:
         print(f"(a') target alone, {dtype} …", flush=True)

@@ -51,6 +51,13 @@ class ModeResult:
     outputs: dict = field(default_factory=dict)
 
 
+def resolve_dtype(dtype: str) -> str:
+    """'auto' → what a CPU model service picks (tandem.cpu_kernels.auto_dtype)."""
+    from tandem.cpu_kernels import auto_dtype
+
+    return auto_dtype("cpu") if dtype == "auto" else dtype
+
+
 def load_hf(path: str, dtype: str):
     """The bare HF model with the kernels a model service would use for `dtype`
     (float32 on a CPU: packed oneDNN linear layers, see tandem.cpu_kernels)."""

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
 
 import torch
 
-from bench.common import (PROMPTS, RESULTS, ModeResult, count_identical, hf_generate, load_hf, machine, prompt_ids,
+from bench.common import (PROMPTS, RESULTS, ModeResult, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype,
                           table, tandem_generate, write)
 
 log = logging.getLogger("bench.nodes")
@@ -116,10 +116,7 @@ def main(argv=None) -> int:
     for noisy in ("httpx", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     skip = set(args.skip.split(",")) - {""}
-    if args.dtype == "auto":
-        from tandem.cpu_kernels import auto_dtype
-
-        args.dtype = auto_dtype("cpu")
+    args.dtype = resolve_dtype(args.dtype)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         print("bench-nodes needs two cores", file=sys.stderr)
@@ -138,14 +135,12 @@ def main(argv=None) -> int:
     # same kernels) and, where that is not bf16, in bf16 too: the speedups are
     # taken over the faster target alone, never the slower.
     dtypes = [args.dtype] + [d for d in args.baseline_dtypes.split(",") if d and d != args.dtype]
-    reference = None
     for dtype in dtypes:
         suffix = "" if dtype == args.dtype else f"_{dtype}"
         target = load_hf(target_path, dtype)
         pin({cores[0]}, 1)
         print(f"(a) target alone, one pinned core, {dtype} …", flush=True)
         modes["a_target_one_core" + suffix] = hf_generate(target, prompts, args.new_tokens)
-        reference = reference or modes["a_target_one_core"]
         pin(set(cores), len(cores))
         if "e" not in skip:
             print(f"(e) target alone, both cores, {dtype} …", flush=True)
@@ -159,6 +154,7 @@ def main(argv=None) -> int:
         del target
         gc.collect()
     os.sched_setaffinity(0, set(cores))
+    reference = modes["a_target_one_core"]
 
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k]
     modes.update(tandem_modes(args, prompts, core_t, core_d, pinned=True, fixed_ks=fixed_ks))

@@ -27,6 +27,11 @@ class KPolicyConfig:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
 
 
+def ema(old: float | None, new: float, weight: float) -> float:
+    """Exponential moving average; `weight` is the newest observation's."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 class CostTable:
     """verify_ms as a function of the tokens verified (k + 1): an EMA per block
     length seen, linear interpolation between seen lengths and flat beyond them.
@@ -38,8 +43,8 @@ class CostTable:
     proportional below the shortest), so one gets tried once and then costs what
     it measured."""
 
-    def __init__(self, ema: float):
-        self.ema = ema
+    def __init__(self, weight: float):
+        self.weight = weight
         self.ms: dict[int, float] = {}
 
     @property
@@ -47,8 +52,7 @@ class CostTable:
         return len(self.ms)
 
     def observe(self, tokens: int, ms: float) -> None:
-        old = self.ms.get(tokens)
-        self.ms[tokens] = ms if old is None else (1 - self.ema) * old + self.ema * ms
+        self.ms[tokens] = ema(self.ms.get(tokens), ms, self.weight)
 
     def __call__(self, tokens: int) -> float:
         if not self.ms:
@@ -77,15 +81,12 @@ class KPolicy:
         self.verify_cost = CostTable(config.ema)
         self.k = config.k
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.config.ema) * old + self.config.ema * new
-
     def observe(self, drafted: int, accepted: int, draft_step_ms: float, verify_ms: float) -> None:
         if drafted:
             trials = accepted + (1 if accepted < drafted else 0)
-            self.alpha = self._ema(self.alpha, accepted / trials)
+            self.alpha = ema(self.alpha, accepted / trials, self.config.ema)
         if draft_step_ms > 0:
-            self.draft_step_ms = self._ema(self.draft_step_ms, draft_step_ms)
+            self.draft_step_ms = ema(self.draft_step_ms, draft_step_ms, self.config.ema)
         if verify_ms > 0:
             self.verify_cost.observe(drafted + 1, verify_ms)
         if self.config.adaptive:

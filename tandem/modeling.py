@@ -82,11 +82,9 @@ def load(config: ModelConfig, pack: bool = True) -> LoadedModel:
     if config.threads:
         torch.set_num_threads(config.threads)
     path = resolve_model(config.model)
-    model = load_causal_lm(path, config, pack=False)
+    model = load_causal_lm(path, config, pack)
     tokenizer = load_tokenizer(path)
-    vocab_size = int(model.get_output_embeddings().weight.shape[0])
-    if pack and config.packed:
-        cpu_kernels.pack_linears(model)
+    vocab_size = int(model.get_output_embeddings().out_features)  # nn.Linear or PackedLinear
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
