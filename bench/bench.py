@@ -73,6 +73,7 @@ def main(argv=None) -> int:
                 Service("draft", ["--model", args.draft, "--dtype", args.dtype], threads=args.threads))
     orchestrator = ["--redis-url", redis_url, "--pipeline", "off", "--adaptive-k", "off", "--k", str(args.k)]
     with Deployment(*services, orchestrator) as deployment:
+        tandem_generate(deployment.address, prompts, 16)  # warm-up, as the HF modes get
         tandem = tandem_generate(deployment.address, prompts, args.new_tokens)
     cheap = None
     if args.cheap_draft_args:
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
                     Service("draft", ["--model", args.draft, "--dtype", args.dtype, *args.cheap_draft_args.split()],
                             threads=args.threads))
         with Deployment(*services, orchestrator) as deployment:
+            tandem_generate(deployment.address, prompts, 16)
             cheap = tandem_generate(deployment.address, prompts, args.new_tokens)
 
     target_only.identical = target_only.prompts

@@ -67,19 +67,26 @@ def load_hf(path: str, dtype: str):
 
 
 def hf_generate(model, prompts: dict[str, list[int]], new_tokens: int, assistant=None, k: int = 4) -> ModeResult:
-    """Greedy HF generate over the prompts (assisted when `assistant` is given)."""
+    """Greedy HF generate over the prompts (assisted when `assistant` is given),
+    after an untimed warm-up on each prompt, as the Tandem modes get."""
     result = ModeResult()
-    for name, ids in prompts.items():
+
+    def generate(ids, max_new_tokens):
         x = torch.tensor([ids])
-        kwargs = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(x))
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(x))
         if assistant is not None:
             kwargs["assistant_model"] = assistant
             assistant.generation_config.num_assistant_tokens = k
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
         with torch.inference_mode():
-            start = time.perf_counter()
-            out = model.generate(x, **kwargs)
-            elapsed = time.perf_counter() - start
+            return model.generate(x, **kwargs)
+
+    for ids in prompts.values():
+        generate(ids, 4)
+    for name, ids in prompts.items():
+        start = time.perf_counter()
+        out = generate(ids, new_tokens)
+        elapsed = time.perf_counter() - start
         tokens = out[0, len(ids):].tolist()
         result.outputs[name] = tokens
         result.tokens += len(tokens)

@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from orchestrator.backends import Proposer, Verifier
 from orchestrator.decoder import Committed, Decoder, ServiceView
-from orchestrator.policy import KPolicy, KPolicyConfig
+from orchestrator.policy import KPolicy, KPolicyConfig, StepCosts
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import Detokenizer, find_stop
 from tandem.sampling import SamplingParams
@@ -64,13 +64,16 @@ class Generation:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.config = config
+        # Step costs are the deployment's, learned from every request; a verify
+        # beside a running pre-draft costs more, so each mode has its own.
+        self.costs = {mode: StepCosts(config.policy.ema) for mode in (False, True)}
 
     def policy_for(self, params: RequestParams, pipeline: bool) -> KPolicy:
         cfg = self.config.policy
         if params.k:
             k = min(params.k, cfg.k_max)
             cfg = KPolicyConfig(k=k, k_min=min(cfg.k_min, k), k_max=cfg.k_max, adaptive=False, ema=cfg.ema)
-        return KPolicy(cfg, pipelined=pipeline)
+        return KPolicy(cfg, pipelined=pipeline, costs=self.costs[pipeline])
 
     async def run(self, record: SessionRecord, turn: list[int], params: RequestParams,
                   outcome: TurnOutcome | None = None) -> AsyncIterator:

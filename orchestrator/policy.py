@@ -69,26 +69,57 @@ class CostTable:
         return self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (tokens - lo) / (hi - lo)
 
 
-class KPolicy:
-    """Tracks α and the draft step cost as EMAs and the verify cost per block
-    length, and picks the k that maximizes expected tokens per second."""
+class StepCosts:
+    """What a draft step and a verify cost on this deployment, learned from
+    every request: costs belong to the hardware, acceptance to the session.
+    The orchestrator keeps one per pipelining mode (a verify beside a running
+    pre-draft shares the machine's memory bandwidth and costs more)."""
 
-    def __init__(self, config: KPolicyConfig, pipelined: bool):
+    def __init__(self, weight: float):
+        self.weight = weight
+        self.draft_step_ms: float | None = None
+        self.verify = CostTable(weight)
+
+    def observe(self, tokens_verified: int, draft_step_ms: float, verify_ms: float) -> None:
+        if draft_step_ms > 0:
+            self.draft_step_ms = ema(self.draft_step_ms, draft_step_ms, self.weight)
+        if verify_ms > 0:
+            self.verify.observe(tokens_verified, verify_ms)
+
+
+class KPolicy:
+    """Tracks α per session, reads the step costs (shared across sessions when
+    given), and picks the k that maximizes expected tokens per second.
+
+    α is a ratio of decayed sums, accepted / tried. The mean of per-round
+    ratios would be biased low: a round rejected at its first token counts as
+    α = 0 with the weight of a round that tried k tokens (at α = 0.8, k = 4 it
+    reads about 0.65)."""
+
+    def __init__(self, config: KPolicyConfig, pipelined: bool, costs: StepCosts | None = None):
         self.config = config
         self.pipelined = pipelined
+        self.costs = costs if costs is not None else StepCosts(config.ema)
         self.alpha: float | None = None
-        self.draft_step_ms: float | None = None
-        self.verify_cost = CostTable(config.ema)
+        self._accepted = 0.0
+        self._tried = 0.0
         self.k = config.k
+
+    @property
+    def draft_step_ms(self) -> float | None:
+        return self.costs.draft_step_ms
+
+    @property
+    def verify_cost(self) -> CostTable:
+        return self.costs.verify
 
     def observe(self, drafted: int, accepted: int, draft_step_ms: float, verify_ms: float) -> None:
         if drafted:
-            trials = accepted + (1 if accepted < drafted else 0)
-            self.alpha = ema(self.alpha, accepted / trials, self.config.ema)
-        if draft_step_ms > 0:
-            self.draft_step_ms = ema(self.draft_step_ms, draft_step_ms, self.config.ema)
-        if verify_ms > 0:
-            self.verify_cost.observe(drafted + 1, verify_ms)
+            keep = 1 - self.config.ema
+            self._accepted = keep * self._accepted + accepted
+            self._tried = keep * self._tried + accepted + (1 if accepted < drafted else 0)
+            self.alpha = self._accepted / self._tried
+        self.costs.observe(drafted + 1, draft_step_ms, verify_ms)
         if self.config.adaptive:
             self.k = self.best_k()
 

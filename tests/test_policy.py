@@ -82,3 +82,35 @@ def test_k_follows_a_step_shaped_verify_cost():
         policy.observe(k, k if i % 8 else k - 1, 60.0, cost[k + 1])
     assert policy.k >= 5
     assert len(tried) <= 5  # it explores a few lengths, not all of them
+
+
+def test_alpha_is_the_acceptance_rate_not_a_mean_of_round_ratios():
+    """Rounds of k = 4 draws with per-token acceptance 0.8: the estimate must
+    centre on 0.8 (a mean of per-round accepted/tried centres near 0.65)."""
+    import random
+
+    rng = random.Random(7)
+    policy = KPolicy(KPolicyConfig(k=4, adaptive=False, ema=0.05), pipelined=True)
+    seen = []
+    for i in range(600):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.8:
+            accepted += 1
+        policy.observe(4, accepted, 20.0, 100.0)
+        if i >= 100:
+            seen.append(policy.alpha)
+    assert sum(seen) / len(seen) == pytest.approx(0.8, abs=0.03)
+
+
+def test_step_costs_are_shared_between_sessions():
+    from orchestrator.policy import StepCosts
+
+    costs = StepCosts(0.3)
+    first = KPolicy(KPolicyConfig(k=3, k_min=1, k_max=8), pipelined=False, costs=costs)
+    for _ in range(10):
+        first.observe(first.k, first.k, 50.0, 400.0)
+    second = KPolicy(KPolicyConfig(k=3, k_min=1, k_max=8), pipelined=False, costs=costs)
+    assert second.draft_step_ms == pytest.approx(50.0)
+    assert second.verify_cost(first.k + 1) == pytest.approx(400.0)
+    second.observe(3, 3, 50.0, 400.0)  # its first round already uses what the first learned
+    assert second.k == first.k
