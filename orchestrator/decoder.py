@@ -202,8 +202,8 @@ class Decoder:
         """Starts verifying `block` and, when pipelining, pre-drafting the next one."""
         verify = asyncio.create_task(self._verify(block))
         pre = None
-        if self.pipeline and block.tokens and self._room(len(block.tokens) + self.policy.k + 1):
-            pre = asyncio.create_task(self._predraft(block, self.policy.k))
+        if self.pipeline and block.tokens and self._room(len(block.tokens) + self.policy.k_ahead + 1):
+            pre = asyncio.create_task(self._predraft(block, self.policy.k_ahead))
             self.stats.predraft_attempts += 1
         return verify, pre
 
@@ -250,10 +250,10 @@ class Decoder:
                     waited_ms_draft = 0.0
                 now = time.perf_counter()
                 self.stats.overhead_ms.append((now - round_start) * 1e3 - waited_ms - waited_ms_draft)
-                log.debug("round %d: k %d, accepted %d, alpha %.2f, next k %d, verify %.0f ms (rpc %.1f ms), "
+                log.debug("round %d: k %d, accepted %d, alpha %.2f, next k %d / ahead %d, verify %.0f ms (rpc %.1f ms), "
                           "waited for the draft %.0f ms, wall %.0f ms, next block %s",
                           self.stats.rounds, len(verified.tokens), result.accepted, self.policy.alpha or 0.0,
-                          self.policy.k, result.compute_ms, result.latency_ms - result.compute_ms, waited_ms_draft,
+                          self.policy.k, self.policy.k_ahead, result.compute_ms, result.latency_ms - result.compute_ms, waited_ms_draft,
                           (now - round_start) * 1e3, "pre-drafted" if prefetch is None else "drafted after")
                 round_start, waited_ms = now, 0.0
         finally:

@@ -128,6 +128,7 @@ class Generation:
                 accepted_per_position=stats.accepted_per_position,
                 tried_per_position=stats.tried_per_position,
                 k=decoder.policy.k,
+                k_ahead=decoder.policy.k_ahead,
                 mean_k=stats.k_sum / stats.rounds if stats.rounds else 0.0,
                 target_prefill_tokens=stats.target_prefill,
                 draft_prefill_tokens=stats.draft_prefill,

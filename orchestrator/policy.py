@@ -89,7 +89,10 @@ class StepCosts:
 
 class KPolicy:
     """Tracks α per session, reads the step costs (shared across sessions when
-    given), and picks the k that maximizes expected tokens per second.
+    given), and picks the draft lengths that maximize expected tokens per
+    second. Pipelined, a fresh draft (after a miss) is on the critical path and
+    a pre-draft is not, so each gets its own length: short after a miss, long
+    beside a verify that would otherwise leave the draft idle.
 
     α is a ratio of decayed sums, accepted / tried. The mean of per-round
     ratios would be biased low: a round rejected at its first token counts as
@@ -103,7 +106,8 @@ class KPolicy:
         self.alpha: float | None = None
         self._accepted = 0.0
         self._tried = 0.0
-        self.k = config.k
+        self.k = config.k  # blocks drafted on the critical path (every block when sequential)
+        self.k_ahead = config.k  # blocks pre-drafted beside a verify (pipelined)
 
     @property
     def draft_step_ms(self) -> float | None:
@@ -121,21 +125,41 @@ class KPolicy:
             self.alpha = self._accepted / self._tried
         self.costs.observe(drafted + 1, draft_step_ms, verify_ms)
         if self.config.adaptive:
-            self.k = self.best_k()
+            self.k, self.k_ahead = self.choose()
 
-    def round_ms(self, k: int) -> float:
-        t_draft, t_verify, alpha = self.draft_step_ms, self.verify_cost(k + 1), self.alpha
+    def rate(self, k: int, k_ahead: int) -> float:
+        """Expected tokens per ms when fresh drafts (on the critical path, after
+        a miss) are k long and pre-drafts (beside a verify) are k_ahead long.
+
+        Sequential: every round drafts k, then verifies. Pipelined: a Markov
+        chain over two states. A round that verifies a pre-drafted block (k_ahead)
+        or a fresh one (k) is followed by a pre-drafted block when all of it is
+        accepted and the bonus is guessed (≈ α^(len+1)), waiting for the
+        pre-draft where it outlasts the verify; otherwise the draft restarts and
+        k fresh steps come on top."""
+        alpha, step = self.alpha, self.draft_step_ms
         if not self.pipelined:
-            return k * t_draft + t_verify
-        # The next block is pre-drafted during the verify. It is used when all k
-        # pass and the bonus is guessed (≈ α^(k+1)); else the draft restarts.
-        hit = alpha ** (k + 1)
-        return t_verify + hit * max(0.0, (k + 1) * t_draft - t_verify) + (1 - hit) * k * t_draft
+            return expected_tokens_per_round(alpha, k) / max(k * step + self.verify_cost(k + 1), 1e-9)
 
-    def best_k(self) -> int:
+        def round_out(length: int) -> tuple[float, float, float]:
+            verify = self.verify_cost(length + 1)
+            hit = alpha ** (length + 1)
+            ms = verify + hit * max(0.0, (k_ahead + 1) * step - verify) + (1 - hit) * k * step
+            return hit, expected_tokens_per_round(alpha, length), ms
+
+        hit_ahead, tokens_ahead, ms_ahead = round_out(k_ahead)
+        hit_fresh, tokens_fresh, ms_fresh = round_out(k)
+        share_ahead = hit_fresh / max(1 - hit_ahead + hit_fresh, 1e-12)  # stationary share of pre-drafted rounds
+        tokens = share_ahead * tokens_ahead + (1 - share_ahead) * tokens_fresh
+        ms = share_ahead * ms_ahead + (1 - share_ahead) * ms_fresh
+        return tokens / max(ms, 1e-9)
+
+    def choose(self) -> tuple[int, int]:
+        """(k, k_ahead) with the best rate; ties go to the shorter (less wasted drafting)."""
         if self.alpha is None or self.draft_step_ms is None or self.verify_cost.n == 0:
-            return self.k
+            return self.k, self.k_ahead
         candidates = range(self.config.k_min, self.config.k_max + 1)
-        rate = {k: expected_tokens_per_round(self.alpha, k) / max(self.round_ms(k), 1e-9) for k in candidates}
-        best = max(rate.values())
-        return min(k for k in candidates if rate[k] >= best * (1 - 1e-6))  # ties: less wasted drafting
+        pairs = [(k, a) for k in candidates for a in (candidates if self.pipelined else (k,))]
+        rates = {pair: self.rate(*pair) for pair in pairs}
+        best = max(rates.values())
+        return min((pair for pair in pairs if rates[pair] >= best * (1 - 1e-6)), key=lambda p: (p[1], p[0]))

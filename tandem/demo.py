@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             tandem_tok_s = result.completion_tokens / tandem_s
             s = result.stats
             print(f"\n\n[{result.completion_tokens} tokens in {tandem_s:.1f}s: {tandem_tok_s:.2f} tok/s · "
-                  f"acceptance {result.acceptance_rate:.2f} · {s.rounds} rounds · mean k {s.mean_k:.1f} · "
+                  f"acceptance {result.acceptance_rate:.2f} · {s.rounds} rounds · mean k {s.mean_k:.1f} (last: {s.k} fresh, {s.k_ahead} ahead) · "
                   f"pre-draft used {s.predraft_hits}/{s.predraft_attempts}]\n")
 
             print("## Two-turn chat")

@@ -11,11 +11,16 @@ def test_leviathan_tau():
 
 
 def _run(policy, alpha_accepts, rounds=30, draft_ms=20.0, verify_ms=100.0):
+    """Rounds as the decoder runs them: pipelined, a block follows a fully
+    accepted one pre-drafted (k_ahead long), else freshly drafted (k long).
+    Returns the length the last kind of round would use next."""
+    ahead = False
     for _ in range(rounds):
-        k = policy.k
+        k = policy.k_ahead if ahead else policy.k
         accepted = k if alpha_accepts else 0
         policy.observe(k, accepted, draft_ms, verify_ms)
-    return policy.k
+        ahead = policy.pipelined and accepted == k
+    return policy.k_ahead if ahead else policy.k
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -114,3 +119,24 @@ def test_step_costs_are_shared_between_sessions():
     assert second.verify_cost(first.k + 1) == pytest.approx(400.0)
     second.observe(3, 3, 50.0, 400.0)  # its first round already uses what the first learned
     assert second.k == first.k
+
+
+def test_pipelined_drafts_short_on_the_critical_path_and_long_beside_a_verify():
+    """α ≈ 0.8, verify flat at 350 ms, draft step 33 ms (the default pair on a
+    bf16 CPU core): after a miss the fresh draft waits on the critical path, a
+    pre-draft hides behind the verify, so the fresh block is the shorter one."""
+    import random
+
+    rng = random.Random(3)
+    policy = KPolicy(KPolicyConfig(k=3, k_min=1, k_max=8, ema=0.05), pipelined=True)
+    ahead = False
+    for _ in range(400):
+        k = policy.k_ahead if ahead else policy.k
+        accepted = 0
+        while accepted < k and rng.random() < 0.8:
+            accepted += 1
+        policy.observe(k, accepted, 33.0, 350.0)
+        ahead = accepted == k and rng.random() < 0.8  # the bonus guess holds too
+    assert 1 <= policy.k < policy.k_ahead <= 8
+    sequential = KPolicy(KPolicyConfig(k=3, k_min=1, k_max=8), pipelined=False)
+    assert sequential.k == sequential.k_ahead
