@@ -223,7 +223,7 @@ class Decoder:
             tasks = [verify_task, pre_task]
             while True:
                 result = await verify_task
-                verified = block
+                verified_k = len(block.tokens)
                 waited_ms += result.compute_ms
                 newly = self._commit(block, result)
                 next_block = None
@@ -250,11 +250,12 @@ class Decoder:
                     waited_ms_draft = 0.0
                 now = time.perf_counter()
                 self.stats.overhead_ms.append((now - round_start) * 1e3 - waited_ms - waited_ms_draft)
-                log.debug("round %d: k %d, accepted %d, alpha %.2f, next k %d / ahead %d, verify %.0f ms (rpc %.1f ms), "
-                          "waited for the draft %.0f ms, wall %.0f ms, next block %s",
-                          self.stats.rounds, len(verified.tokens), result.accepted, self.policy.alpha or 0.0,
-                          self.policy.k, self.policy.k_ahead, result.compute_ms, result.latency_ms - result.compute_ms, waited_ms_draft,
-                          (now - round_start) * 1e3, "pre-drafted" if prefetch is None else "drafted after")
+                log.debug("round %d: k %d, accepted %d, alpha %.2f, next k %d / ahead %d, verify %.0f ms "
+                          "(rpc %.1f ms), waited for the draft %.0f ms, wall %.0f ms, next block %s",
+                          self.stats.rounds, verified_k, result.accepted, self.policy.alpha or 0.0, self.policy.k,
+                          self.policy.k_ahead, result.compute_ms, result.latency_ms - result.compute_ms,
+                          waited_ms_draft, (now - round_start) * 1e3,
+                          "pre-drafted" if prefetch is None else "drafted after")
                 round_start, waited_ms = now, 0.0
         finally:
             for task in tasks:

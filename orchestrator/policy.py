@@ -127,9 +127,10 @@ class KPolicy:
         if self.config.adaptive:
             self.k, self.k_ahead = self.choose()
 
-    def rate(self, k: int, k_ahead: int) -> float:
+    def rate(self, k: int, k_ahead: int, rounds: dict[int, tuple[float, float, float]]) -> float:
         """Expected tokens per ms when fresh drafts (on the critical path, after
-        a miss) are k long and pre-drafts (beside a verify) are k_ahead long.
+        a miss) are k long and pre-drafts (beside a verify) are k_ahead long;
+        `rounds` maps a block length to (hit, tokens, verify ms), see choose().
 
         Sequential: every round drafts k, then verifies. Pipelined: a Markov
         chain over two states. A round that verifies a pre-drafted block (k_ahead)
@@ -137,29 +138,28 @@ class KPolicy:
         accepted and the bonus is guessed (≈ α^(len+1)), waiting for the
         pre-draft where it outlasts the verify; otherwise the draft restarts and
         k fresh steps come on top."""
-        alpha, step = self.alpha, self.draft_step_ms
+        step = self.draft_step_ms
         if not self.pipelined:
-            return expected_tokens_per_round(alpha, k) / max(k * step + self.verify_cost(k + 1), 1e-9)
+            _, tokens, verify = rounds[k]
+            return tokens / max(k * step + verify, 1e-9)
 
-        def round_out(length: int) -> tuple[float, float, float]:
-            verify = self.verify_cost(length + 1)
-            hit = alpha ** (length + 1)
-            ms = verify + hit * max(0.0, (k_ahead + 1) * step - verify) + (1 - hit) * k * step
-            return hit, expected_tokens_per_round(alpha, length), ms
+        def ms(length: int) -> float:
+            hit, _, verify = rounds[length]
+            return verify + hit * max(0.0, (k_ahead + 1) * step - verify) + (1 - hit) * k * step
 
-        hit_ahead, tokens_ahead, ms_ahead = round_out(k_ahead)
-        hit_fresh, tokens_fresh, ms_fresh = round_out(k)
+        (hit_ahead, tokens_ahead, _), (hit_fresh, tokens_fresh, _) = rounds[k_ahead], rounds[k]
         share_ahead = hit_fresh / max(1 - hit_ahead + hit_fresh, 1e-12)  # stationary share of pre-drafted rounds
         tokens = share_ahead * tokens_ahead + (1 - share_ahead) * tokens_fresh
-        ms = share_ahead * ms_ahead + (1 - share_ahead) * ms_fresh
-        return tokens / max(ms, 1e-9)
+        return tokens / max(share_ahead * ms(k_ahead) + (1 - share_ahead) * ms(k), 1e-9)
 
     def choose(self) -> tuple[int, int]:
         """(k, k_ahead) with the best rate; ties go to the shorter (less wasted drafting)."""
         if self.alpha is None or self.draft_step_ms is None or self.verify_cost.n == 0:
             return self.k, self.k_ahead
         candidates = range(self.config.k_min, self.config.k_max + 1)
+        rounds = {n: (self.alpha ** (n + 1), expected_tokens_per_round(self.alpha, n), self.verify_cost(n + 1))
+                  for n in candidates}
         pairs = [(k, a) for k in candidates for a in (candidates if self.pipelined else (k,))]
-        rates = {pair: self.rate(*pair) for pair in pairs}
+        rates = {pair: self.rate(*pair, rounds) for pair in pairs}
         best = max(rates.values())
         return min((pair for pair in pairs if rates[pair] >= best * (1 - 1e-6)), key=lambda p: (p[1], p[0]))
