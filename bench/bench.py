@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import PROMPTS, RESULTS, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype, table, tandem_generate, write
+from bench.common import PROMPTS, RESULTS, baselines, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype, table, tandem_generate, write
 
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
@@ -25,8 +25,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="dtype of Tandem's models, HF assisted and the identity reference; auto = bfloat16 where "
                              "the hardware has it natively, else float32 with packed linear layers (default: %(default)s)")
-    parser.add_argument("--baseline-dtypes", default="bfloat16",
-                        help="also time the target alone in these dtypes; speedups are over the fastest (default: %(default)s)")
+    parser.add_argument("--baselines", default="",
+                        help="also time the target alone in these configurations, e.g. 'bfloat16,float32/native'; "
+                             "float32/native where Tandem packs, and bfloat16, are always timed; "
+                             "speedups are over the fastest")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per round, for HF assisted and Tandem")
@@ -41,6 +43,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
+    from tandem.cpu_kernels import config_label
     from tandem.default_models import resolve_model
     from tandem.launch import Deployment, Service
     from tandem.redis_local import ensure_redis
@@ -51,10 +54,11 @@ def main(argv=None) -> int:
 
     args.dtype = resolve_dtype(args.dtype)
     other_targets = {}
-    for dtype in [d for d in args.baseline_dtypes.split(",") if d and d != args.dtype]:
-        print(f"(a') target alone, {dtype} …", flush=True)
-        other = load_hf(target_path, dtype)
-        other_targets[dtype] = hf_generate(other, prompts, args.new_tokens)
+    for dtype, linear in baselines(args.dtype, args.baselines)[1:]:
+        label = config_label(dtype, linear)
+        print(f"(a') target alone, {label} …", flush=True)
+        other = load_hf(target_path, dtype, linear)
+        other_targets[label] = hf_generate(other, prompts, args.new_tokens)
         del other
         gc.collect()
     target = load_hf(target_path, args.dtype)
@@ -99,8 +103,8 @@ def main(argv=None) -> int:
     print("\n" + table(rows, fastest))
     print(f"vs base: over the fastest target alone; same: prompts equal to the target alone in {args.dtype}")
     write(Path(args.out), {
-        "target_only_tok_s": fastest.tok_s,  # the fastest target alone over the dtypes tried
-        "target_only_tok_s_by_dtype": {args.dtype: target_only.tok_s, **{d: r.tok_s for d, r in other_targets.items()}},
+        "target_only_tok_s": fastest.tok_s,  # the fastest target alone over the configurations tried
+        "target_only_tok_s_by_config": {args.dtype: target_only.tok_s, **{d: r.tok_s for d, r in other_targets.items()}},
         "hf_assisted_tok_s": hf_assisted.tok_s,
         "tandem_tok_s": tandem.tok_s,
         "speedup_vs_target_only": tandem.tok_s / fastest.tok_s,
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
             "identical_to_target_only": f"{cheap.identical}/{cheap.prompts}",
         },
         "modes": {name: {k: v for k, v in vars(r).items() if k != "outputs"}
-                  for name, r in (("target_only", target_only), *((f"target_only_{d}", r) for d, r in other_targets.items()),
+                  for name, r in (("target_only", target_only), *((f"target_only_{d.replace('/', '_')}", r) for d, r in other_targets.items()),
                                   ("hf_assisted", hf_assisted), ("tandem", tandem),
                                   ("tandem_cheap_draft", cheap)) if r is not None},
     })

@@ -58,12 +58,27 @@ def resolve_dtype(dtype: str) -> str:
     return auto_dtype("cpu") if dtype == "auto" else dtype
 
 
-def load_hf(path: str, dtype: str):
-    """The bare HF model with the kernels a model service would use for `dtype`
-    (float32 on a CPU: packed oneDNN linear layers, see tandem.cpu_kernels)."""
+def load_hf(path: str, dtype: str, linear: str = "auto"):
+    """The bare HF model; linear="auto" gives the kernels a model service would
+    use for `dtype` (float32 on a CPU: packed oneDNN linear layers, see
+    tandem.cpu_kernels), "native" plain nn.Linear."""
     from tandem.modeling import ModelConfig, load_causal_lm
 
-    return load_causal_lm(path, ModelConfig(path, dtype=dtype))
+    return load_causal_lm(path, ModelConfig(path, dtype=dtype, linear=linear))
+
+
+def baselines(dtype: str, extra: str = "") -> list[tuple[str, str]]:
+    """The (dtype, linear) configurations to time the target alone in: Tandem's
+    own first (the identity reference), every other that may decode faster on
+    this machine (tandem.cpu_kernels.baseline_configs), then `extra`
+    ('bfloat16,float32/native')."""
+    from tandem.cpu_kernels import baseline_configs, parse_config
+
+    configs = baseline_configs("cpu", dtype)
+    for label in extra.split(","):
+        if label and parse_config(label) not in configs:
+            configs.append(parse_config(label))
+    return configs
 
 
 def hf_generate(model, prompts: dict[str, list[int]], new_tokens: int, assistant=None, k: int = 4) -> ModeResult:

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
 
 import torch
 
-from bench.common import (PROMPTS, RESULTS, ModeResult, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype,
+from bench.common import (PROMPTS, RESULTS, ModeResult, baselines, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype,
                           table, tandem_generate, write)
 
 log = logging.getLogger("bench.nodes")
@@ -95,8 +95,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="dtype of Tandem's models and of the identity reference; auto = bfloat16 where the "
                              "hardware has it natively, else float32 with packed linear layers (default: %(default)s)")
-    parser.add_argument("--baseline-dtypes", default="bfloat16",
-                        help="also run the baselines (a, e, f) in these dtypes (default: %(default)s)")
+    parser.add_argument("--baselines", default="",
+                        help="time the target alone (a, e) in these configurations too, e.g. 'bfloat16,float32/native'; "
+                             "Tandem's own, float32/native where Tandem packs, and bfloat16 are always timed, and "
+                             "speedups are over the fastest")
     parser.add_argument("--draft-args", default="--quantize int8 --vocab-subset 32768",
                         help="extra flags for the draft service (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
@@ -132,25 +134,27 @@ def main(argv=None) -> int:
     prompts = prompt_ids(AutoTokenizer.from_pretrained(target_path), args.prompts.split(","))
     modes: dict[str, ModeResult] = {}
 
-    # The baselines run in Tandem's dtype (the identity reference: same weights,
-    # same kernels) and, where that is not bf16, in bf16 too: the speedups are
-    # taken over the faster target alone, never the slower.
-    dtypes = [args.dtype] + [d for d in args.baseline_dtypes.split(",") if d and d != args.dtype]
-    for dtype in dtypes:
-        suffix = "" if dtype == args.dtype else f"_{dtype}"
-        target = load_hf(target_path, dtype)
+    # The baselines run in Tandem's configuration (the identity reference: same
+    # weights, same kernels) and in every other that may decode faster here
+    # (bench.common.baselines): the speedups are taken over the fastest target
+    # alone, never a slower one.
+    from tandem.cpu_kernels import config_label
+
+    for i, (dtype, linear) in enumerate(baselines(args.dtype, args.baselines)):
+        label = config_label(dtype, linear)
+        suffix = "" if i == 0 else "_" + label.replace("/", "_")
+        target = load_hf(target_path, dtype, linear)
         pin({cores[0]}, 1)
-        print(f"(a) target alone, one pinned core, {dtype} …", flush=True)
+        print(f"(a) target alone, one pinned core, {label} …", flush=True)
         modes["a_target_one_core" + suffix] = hf_generate(target, prompts, args.new_tokens)
         pin(set(cores), len(cores))
         if "e" not in skip:
-            print(f"(e) target alone, both cores, {dtype} …", flush=True)
+            print(f"(e) target alone, both cores, {label} …", flush=True)
             modes["e_target_both_cores" + suffix] = hf_generate(target, prompts, args.new_tokens)
-        if "f" not in skip and dtype == args.dtype:  # bf16 assisted verifies at ~a decode per token here
-            print(f"(f) HF assisted in-process, both cores, {dtype} …", flush=True)
-            draft = load_hf(draft_path, dtype)
-            modes["f_hf_assisted_both_cores" + suffix] = hf_generate(target, prompts, args.new_tokens,
-                                                                     assistant=draft, k=3)
+        if "f" not in skip and i == 0:  # Tandem's kernels: packed layers verify far faster than nn.Linear here
+            print(f"(f) HF assisted in-process, both cores, {label} …", flush=True)
+            draft = load_hf(draft_path, dtype, linear)
+            modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft, k=3)
             del draft
         del target
         gc.collect()
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
         result.identical = count_identical(result, reference)
 
     def tok_s(name):
-        """A mode's tokens/s; for a baseline, the best over its dtypes."""
+        """A mode's tokens/s; for a baseline, the best over its configurations."""
         rates = [r.tok_s for n, r in modes.items() if n == name or n.startswith(name + "_")]
         return max(rates) if rates else None
 
@@ -191,6 +195,7 @@ def main(argv=None) -> int:
         "overhead_ms_per_round_p50": adaptive.overhead_ms_per_round_p50,
         "sequential_overhead_ms_per_round_p50": sequential.overhead_ms_per_round_p50,
         "dtype": args.dtype,
+        "baselines": [config_label(*c) for c in baselines(args.dtype, args.baselines)],
         "draft_args": args.draft_args,
         "whole_machine": {"threads_per_service": args.whole_threads, "pipeline": args.whole_pipeline},
         "new_tokens": args.new_tokens,

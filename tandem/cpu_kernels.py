@@ -9,7 +9,11 @@ once at load costs about the same as a bf16 decode for one token and grows
 slowly with n (measured on a 2-core AVX2 EPYC, Qwen2.5-1.5B, one thread:
 1 token 527 ms, 4 tokens 779 ms, 8 tokens 808 ms; bf16: 441, 1264, 2553 ms).
 The packed layers compute the same float32 function as nn.Linear (only the
-summation order differs, as between any two BLAS kernels)."""
+summation order differs, as between any two BLAS kernels). For one token
+alone, plain nn.Linear (MKL's matrix-vector product) is faster still: 381–396
+ms against 537–569 ms on that machine, but 1066–1086 ms against 709–792 ms for 4. So a
+target service, which verifies blocks, packs; a baseline that decodes one
+token at a time must be timed with nn.Linear too (baseline_configs)."""
 from __future__ import annotations
 
 import logging
@@ -51,6 +55,31 @@ def use_packed(linear: str, device: str, dtype: str) -> bool:
             raise ValueError("this torch build has no oneDNN linear: use --linear native")
         return False
     return True
+
+
+def baseline_configs(device: str, dtype: str) -> list[tuple[str, str]]:
+    """The (dtype, linear) configurations to time the target alone in, for a
+    speedup over the fastest of them: the service's own first (the identity
+    reference: same weights, same kernels), then nn.Linear where the service's
+    layers are packed, and bf16. Even without native bf16, a one-token bf16
+    decode is no slower than float32 with nn.Linear (372 vs 381 ms on the AVX2
+    machine above), because it reads half the bytes."""
+    configs = [(dtype, "auto")]
+    if use_packed("auto", device, dtype):
+        configs.append((dtype, "native"))
+    if dtype != "bfloat16":
+        configs.append(("bfloat16", "auto"))
+    return configs
+
+
+def config_label(dtype: str, linear: str) -> str:
+    """'float32', 'float32/native', 'bfloat16': how benchmarks name a configuration."""
+    return dtype if linear == "auto" else f"{dtype}/{linear}"
+
+
+def parse_config(label: str) -> tuple[str, str]:
+    dtype, _, linear = label.partition("/")
+    return dtype, linear or "auto"
 
 
 class PackedLinear(torch.nn.Module):

@@ -12,16 +12,16 @@ CODE_PROMPT = "Write a Python function `is_prime(n)` that returns True when n is
 CHAT = ["Give me a one-line Python expression that reverses a string s.", "Now do the same for a list."]
 
 
-def target_alone(model: str, dtype: str, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+def target_alone(model: str, dtype: str, linear: str, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float]:
     """Hugging Face generate(do_sample=False) on the target, in this process, one
-    thread, with the kernels a target service would use for this dtype."""
+    thread; linear="auto" gives the kernels a target service would use for this dtype."""
     import torch
 
     from tandem.default_models import resolve_model
     from tandem.modeling import ModelConfig, load_causal_lm
 
     torch.set_num_threads(1)
-    model = load_causal_lm(resolve_model(model), ModelConfig(model, dtype=dtype))
+    model = load_causal_lm(resolve_model(model), ModelConfig(model, dtype=dtype, linear=linear))
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         start = time.perf_counter()
@@ -94,17 +94,20 @@ def main(argv=None) -> int:
     prompt_ids = AutoTokenizer.from_pretrained(resolve_model(args.target)).encode(CODE_PROMPT)
     from tandem.modeling import ModelConfig
 
+    from tandem.cpu_kernels import baseline_configs, config_label
+
     dtype = ModelConfig(args.target, dtype=args.dtype).resolved_dtype
-    reference, target_tok_s = target_alone(args.target, dtype, prompt_ids, result.completion_tokens)
+    reference, target_tok_s = target_alone(args.target, dtype, "auto", prompt_ids, result.completion_tokens)
     same = reference == result.token_ids
     print(f"target alone ({dtype}, the target service's kernels) {target_tok_s:.2f} tok/s · "
           f"identical tokens: {same}")
     best_tok_s = target_tok_s
-    if dtype != "bfloat16":
-        _, bf16_tok_s = target_alone(args.target, "bfloat16", prompt_ids, result.completion_tokens)
-        print(f"target alone (bfloat16, Hugging Face's kernels) {bf16_tok_s:.2f} tok/s")
-        best_tok_s = max(best_tok_s, bf16_tok_s)
-    print(f"Tandem {tandem_tok_s:.2f} tok/s · speedup {tandem_tok_s / best_tok_s:.2f}x over the faster target alone")
+    for other_dtype, linear in baseline_configs("cpu", dtype)[1:]:  # others that may decode faster here
+        _, other_tok_s = target_alone(args.target, other_dtype, linear, prompt_ids, result.completion_tokens)
+        kernels = "nn.Linear" if linear == "native" else "Hugging Face's kernels"
+        print(f"target alone ({config_label(other_dtype, linear)}, {kernels}) {other_tok_s:.2f} tok/s")
+        best_tok_s = max(best_tok_s, other_tok_s)
+    print(f"Tandem {tandem_tok_s:.2f} tok/s · speedup {tandem_tok_s / best_tok_s:.2f}x over the fastest target alone")
     if not same:
         first = next((i for i, (a, b) in enumerate(zip(reference, result.token_ids)) if a != b), None)
         print(f"(first difference at token {first}: multi-token verification sums in another order than "

@@ -51,3 +51,15 @@ def test_config_resolves_dtype_and_kernels():
         ModelConfig("m", linear="fast")
     with pytest.raises(ValueError, match="dtype"):
         ModelConfig("m", dtype="int4")
+
+
+def test_baselines_include_every_kernel_that_may_decode_faster():
+    # A speedup is taken over the fastest target alone: the service's own
+    # configuration comes first (the identity reference), then nn.Linear when
+    # the service packs (it wins on one-token decoding), then bf16.
+    assert cpu_kernels.baseline_configs("cpu", "float32") == [
+        ("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]
+    assert cpu_kernels.baseline_configs("cpu", "bfloat16") == [("bfloat16", "auto")]
+    assert cpu_kernels.baseline_configs("cuda:0", "float32") == [("float32", "auto"), ("bfloat16", "auto")]
+    for config in [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]:
+        assert cpu_kernels.parse_config(cpu_kernels.config_label(*config)) == config
