@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +47,9 @@ class ModeResult:
     mean_k: float | None = None
     predraft_hit_rate: float | None = None
     overhead_ms_per_round_p50: float | None = None
+    verify_ms_p50: float | None = None  # the target's compute per verify (median over prompts of per-prompt medians)
+    draft_step_ms_p50: float | None = None
+    ceiling_tok_s: float | None = None  # tokens/round over verify time: if drafting and overhead cost nothing
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
     outputs: dict = field(default_factory=dict)
@@ -119,7 +123,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     result = ModeResult()
     rounds = rejected = accepted = hits = attempts = 0
     k_sum = 0.0
-    overheads = []
+    overheads, verifies, steps = [], [], []
     per_position: list[int] = []
     tried: list[int] = []
     with TandemClient(address, timeout_s=3600) as client:
@@ -138,6 +142,10 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
             attempts += s.predraft_attempts
             k_sum += s.mean_k * s.rounds
             overheads.append(s.overhead_ms_p50)
+            if s.verify_ms_p50:
+                verifies.append(s.verify_ms_p50)
+            if s.draft_step_ms_p50:
+                steps.append(s.draft_step_ms_p50)
             for counts, new in ((per_position, s.accepted_per_position), (tried, s.tried_per_position)):
                 counts.extend([0] * (len(new) - len(counts)))
                 for i, n in enumerate(new):
@@ -153,10 +161,18 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     result.tokens_per_round = result.tokens / rounds if rounds else 0.0
     result.theory_tokens_per_round = expected_tokens_per_round(alpha, round(result.mean_k)) if rounds else 0.0
     result.predraft_hit_rate = hits / attempts if attempts else None
-    result.overhead_ms_per_round_p50 = sorted(overheads)[len(overheads) // 2] if overheads else None
+    result.overhead_ms_per_round_p50 = median(overheads)
+    result.verify_ms_p50 = median(verifies)
+    result.draft_step_ms_p50 = median(steps)
+    if result.verify_ms_p50 and rounds:
+        result.ceiling_tok_s = result.tokens_per_round / result.verify_ms_p50 * 1e3
     result.accepted_per_position = per_position
     result.tried_per_position = tried
     return result
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def count_identical(result: ModeResult, reference: ModeResult) -> int:
@@ -175,7 +191,8 @@ def write(path: Path, payload: dict) -> None:
 
 
 def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
-    lines = [f"{'mode':<34}{'tok/s':>8}{'vs base':>9}{'α':>7}{'tok/rnd':>9}{'τ(α,k)':>8}{'k':>6}{'hit':>6}{'ovh ms':>8}{'same':>7}"]
+    lines = [f"{'mode':<34}{'tok/s':>8}{'vs base':>9}{'α':>7}{'tok/rnd':>9}{'τ(α,k)':>8}{'k':>6}{'hit':>6}{'ovh ms':>8}"
+             f"{'verify':>8}{'step':>6}{'ceil':>7}{'same':>7}"]
 
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-".rjust(int(spec.split(".")[0]))
@@ -184,6 +201,8 @@ def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
         lines.append(
             f"{name:<34}{r.tok_s:>8.2f}{r.tok_s / baseline.tok_s:>8.2f}x{fmt(r.acceptance_rate, '7.2f')}"
             f"{fmt(r.tokens_per_round, '9.2f')}{fmt(r.theory_tokens_per_round, '8.2f')}{fmt(r.mean_k, '6.1f')}"
-            f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}{r.identical:>5}/{r.prompts}"
+            f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}"
+            f"{fmt(r.verify_ms_p50, '8.0f')}{fmt(r.draft_step_ms_p50, '6.0f')}{fmt(r.ceiling_tok_s, '7.2f')}"
+            f"{r.identical:>5}/{r.prompts}"
         )
     return "\n".join(lines)

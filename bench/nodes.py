@@ -181,6 +181,13 @@ def main(argv=None) -> int:
     baseline = max((r for n, r in modes.items() if n.startswith("a_target_one_core")), key=lambda r: r.tok_s)
     print("\n" + table(list(modes.items()), baseline))
     print("identical: prompts equal to the target alone in", args.dtype, "(mode a_target_one_core)")
+    print("verify, step: the services' median compute per verify and per draft step, ms; ceil: tokens/round "
+          "over the verify time, the tok/s if drafting and overhead cost nothing")
+    ms_per_token = 1e3 / baseline.tok_s
+    if sequential.verify_ms_p50:
+        print(f"a verify of {sequential.mean_k:.0f}+1 tokens (b) costs {sequential.verify_ms_p50 / ms_per_token:.2f} "
+              f"one-token decodes of the fastest target alone ({ms_per_token:.0f} ms); the pipelined ceiling (d) is "
+              f"{(adaptive.ceiling_tok_s or 0) / baseline.tok_s:.2f}x the target alone on one node")
     payload = {
         "modes": {name: {k: v for k, v in vars(r).items() if k != "outputs"} for name, r in modes.items()},
         "speedup_pipelined_vs_target_one_node": ratio("d_pipelined_adaptive", "a_target_one_core"),
@@ -193,6 +200,11 @@ def main(argv=None) -> int:
         "sequential_theory_tokens_per_round": sequential.theory_tokens_per_round,
         "predraft_hit_rate": adaptive.predraft_hit_rate,
         "overhead_ms_per_round_p50": adaptive.overhead_ms_per_round_p50,
+        "target_alone_ms_per_token": ms_per_token,
+        "sequential_verify_ms_p50": sequential.verify_ms_p50,
+        "sequential_verify_in_target_tokens": sequential.verify_ms_p50 / ms_per_token if sequential.verify_ms_p50 else None,
+        "pipelined_ceiling_tok_s": adaptive.ceiling_tok_s,
+        "pipelined_ceiling_vs_target_one_node": adaptive.ceiling_tok_s / baseline.tok_s if adaptive.ceiling_tok_s else None,
         "sequential_overhead_ms_per_round_p50": sequential.overhead_ms_per_round_p50,
         "dtype": args.dtype,
         "baselines": [config_label(*c) for c in baselines(args.dtype, args.baselines)],

@@ -36,6 +36,8 @@ class RoundStats:
     predraft_hits: int = 0
     predraft_attempts: int = 0
     overhead_ms: list[float] = field(default_factory=list)
+    verify_ms: list[float] = field(default_factory=list)  # verifies of a block with at most one prefilled token
+    draft_step_ms: list[float] = field(default_factory=list)
 
     def record(self, block: DraftBlock, result: VerifyResult) -> None:
         k = len(block.tokens)
@@ -195,6 +197,10 @@ class Decoder:
         self.stats.record(block, result)
         # A verify that also prefilled (a prompt, a re-sync) says nothing about the block's cost.
         verify_ms = result.compute_ms if result.prefilled <= 1 else 0.0
+        if verify_ms and block.tokens:
+            self.stats.verify_ms.append(verify_ms)
+        if block.step_ms:
+            self.stats.draft_step_ms.append(block.step_ms)
         self.policy.observe(len(block.tokens), result.accepted, block.step_ms, verify_ms)
         return newly
 

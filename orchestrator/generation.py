@@ -138,7 +138,9 @@ class Generation:
                 seed=params.sampling.seed,
                 total_ms=(time.perf_counter() - started) * 1e3,
                 first_token_ms=first_token_ms,
-                overhead_ms_p50=statistics.median(stats.overhead_ms) if stats.overhead_ms else 0.0,
+                overhead_ms_p50=_median(stats.overhead_ms),
+                verify_ms_p50=_median(stats.verify_ms),
+                draft_step_ms_p50=_median(stats.draft_step_ms),
             ),
         ))
         if outcome is not None:
@@ -161,6 +163,10 @@ class Generation:
         if len(newly) >= limit:
             return newly[:limit], at_limit
         return newly, tandem_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def _before_stop(text: str, stops) -> str:

@@ -18,6 +18,9 @@ def test_draft_equals_target_accepts_everything(same_cluster, tiny_models, pipel
             stats = result.stats
             assert stats.accepted_tokens == stats.drafted_tokens > 0
             assert stats.rounds < 40  # speculation committed several tokens per round
+            # the services' compute per verify and per draft step reach the client
+            assert 0 < stats.verify_ms_p50 < stats.total_ms
+            assert 0 < stats.draft_step_ms_p50 < stats.total_ms
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
