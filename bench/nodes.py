@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     # alone, never a slower one.
     from tandem.cpu_kernels import config_label
 
-    for i, (dtype, linear) in enumerate(baselines(args.dtype, args.baselines)):
+    configs = baselines(args.dtype, args.baselines)
+    for i, (dtype, linear) in enumerate(configs):
         label = config_label(dtype, linear)
         suffix = "" if i == 0 else "_" + label.replace("/", "_")
         target = load_hf(target_path, dtype, linear)
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
         "pipelined_ceiling_vs_target_one_node": adaptive.ceiling_tok_s / baseline.tok_s if adaptive.ceiling_tok_s else None,
         "sequential_overhead_ms_per_round_p50": sequential.overhead_ms_per_round_p50,
         "dtype": args.dtype,
-        "baselines": [config_label(*c) for c in baselines(args.dtype, args.baselines)],
+        "baselines": [config_label(*c) for c in configs],
         "draft_args": args.draft_args,
         "whole_machine": {"threads_per_service": args.whole_threads, "pipeline": args.whole_pipeline},
         "new_tokens": args.new_tokens,
