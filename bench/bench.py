@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="dtype of Tandem's models, HF assisted and the identity reference; auto = bfloat16 where "
-                             "the hardware has it natively, else float32 with packed linear layers (default: %(default)s)")
+                             "the hardware has it natively, else float32 on fp16-weight or packed linear layers (default: %(default)s)")
     parser.add_argument("--baselines", default="",
                         help="also time the target alone in these configurations, e.g. 'bfloat16,float32/native'; "
                              "float32/native where Tandem packs, and bfloat16, are always timed; "

@@ -64,7 +64,7 @@ def resolve_dtype(dtype: str) -> str:
 
 def load_hf(path: str, dtype: str, linear: str = "auto"):
     """The bare HF model; linear="auto" gives the kernels a model service would
-    use for `dtype` (float32 on a CPU: packed oneDNN linear layers, see
+    use for `dtype` (float32 on a CPU: fp16-weight or packed linear layers, see
     tandem.cpu_kernels), "native" plain nn.Linear."""
     from tandem.modeling import ModelConfig, load_causal_lm
 

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="dtype of Tandem's models and of the identity reference; auto = bfloat16 where the "
-                             "hardware has it natively, else float32 with packed linear layers (default: %(default)s)")
+                             "hardware has it natively, else float32 on fp16-weight or packed linear layers (default: %(default)s)")
     parser.add_argument("--baselines", default="",
                         help="time the target alone (a, e) in these configurations too, e.g. 'bfloat16,float32/native'; "
                              "Tandem's own, float32/native where Tandem packs, and bfloat16 are always timed, and "
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         if "e" not in skip:
             print(f"(e) target alone, both cores, {label} …", flush=True)
             modes["e_target_both_cores" + suffix] = hf_generate(target, prompts, args.new_tokens)
-        if "f" not in skip and i == 0:  # Tandem's kernels: packed layers verify far faster than nn.Linear here
+        if "f" not in skip and i == 0:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
             print(f"(f) HF assisted in-process, both cores, {label} …", flush=True)
             draft = load_hf(draft_path, dtype, linear)
             modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft, k=3)

@@ -79,7 +79,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if options.quantize == "int8":
             info = replace(info, model=quantize_int8(info.model))
         elif model.packed:
-            pack_linears(info.model)
+            pack_linears(info.model, model.kernel)
         runner = ModelRunner(info, model.device)
         store = SessionCacheStore(runner.new_cache, budget, cache.session_ttl_s)
         super().__init__(info, store, "draft-model")

@@ -38,7 +38,8 @@ class CostTable:
 
     No shape is assumed: on a GPU the cost is flat in k; on a CPU without native
     bf16 it grows by almost a decode per token; with packed float32 kernels it
-    is a step (1-2 tokens cost the same, 4-8 tokens about 1.5x that). Unseen
+    is a step (1-2 tokens cost the same, 4-8 tokens about 1.5x that); with
+    fp16-weight kernels it is nearly flat up to 6 tokens, then steps up. Unseen
     lengths are estimated optimistically (flat above the longest seen,
     proportional below the shortest), so one gets tried once and then costs what
     it measured."""

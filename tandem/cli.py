@@ -30,10 +30,11 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights and compute dtype; auto = bfloat16 on GPUs and on CPUs with native bf16, "
-                        "else float32 with packed linear layers (default: %(default)s)")
-    p.add_argument("--linear", default="auto", choices=["auto", "native", "packed"],
-                   help="linear kernels: packed = oneDNN with weights reordered at load (CPU, float32); "
-                        "auto = packed where it applies (default: %(default)s)")
+                        "else float32 (see --linear) (default: %(default)s)")
+    p.add_argument("--linear", default="auto", choices=["auto", "native", "packed", "fp16"],
+                   help="linear kernels (CPU, float32): fp16 = FBGEMM on weights stored in fp16, for layers "
+                        "whose weights convert exactly (others packed); packed = oneDNN with weights reordered "
+                        "at load; native = nn.Linear; auto = fp16 where it applies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")

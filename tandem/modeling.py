@@ -29,7 +29,7 @@ class ModelConfig:
     device: str = "cpu"
     dtype: str = "auto"  # "auto": bfloat16 on GPUs and bf16-native CPUs, else float32 (tandem.cpu_kernels)
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
-    linear: str = "auto"  # "packed": oneDNN float32 layers (CPU); "native": nn.Linear; "auto": packed where it fits
+    linear: str = "auto"  # "native": nn.Linear; "packed": oneDNN float32 (CPU); "fp16": FBGEMM on exact fp16 weights; "auto": the fastest that fits
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -40,15 +40,20 @@ class ModelConfig:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.linear not in cpu_kernels.LINEAR_KERNELS:
             raise ValueError(f"linear must be one of {cpu_kernels.LINEAR_KERNELS}, got {self.linear!r}")
-        cpu_kernels.use_packed(self.linear, self.device, self.resolved_dtype)  # raises on an impossible choice
+        cpu_kernels.resolve_linear(self.linear, self.device, self.resolved_dtype)  # raises on an impossible choice
 
     @property
     def resolved_dtype(self) -> str:
         return cpu_kernels.auto_dtype(self.device) if self.dtype == "auto" else self.dtype
 
     @property
+    def kernel(self) -> str:
+        """"native", "packed" or "fp16": what `linear` resolves to here."""
+        return cpu_kernels.resolve_linear(self.linear, self.device, self.resolved_dtype)
+
+    @property
     def packed(self) -> bool:
-        return cpu_kernels.use_packed(self.linear, self.device, self.resolved_dtype)
+        return self.kernel != "native"
 
 
 @dataclass(frozen=True)
@@ -63,14 +68,14 @@ class LoadedModel:
 
 
 def load_causal_lm(path: str, config: ModelConfig, pack: bool = True) -> torch.nn.Module:
-    """The bare Hugging Face model, in eval mode on its device, with packed
+    """The bare Hugging Face model, in eval mode on its device, with replaced
     linear layers where the config asks for them (and `pack` allows)."""
     log.info("loading %s (%s, %s, %s linear)", path, config.device, config.resolved_dtype,
-             "packed" if config.packed and pack else "native")
+             config.kernel if pack else "native")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.resolved_dtype])
     model.to(config.device).eval()
     if pack and config.packed:
-        cpu_kernels.pack_linears(model)
+        cpu_kernels.pack_linears(model, config.kernel)
     return model
 
 

@@ -19,7 +19,9 @@ TINY_VOCAB = 128
 
 
 def build_tiny_model(path, seed: int, vocab: int = TINY_VOCAB, max_context: int = 512) -> str:
-    """A 2-layer Qwen2 with random weights, saved without a tokenizer."""
+    """A 2-layer Qwen2 with random weights, saved without a tokenizer. The
+    weights are bf16 values kept in float32, as in released checkpoints, so a
+    float32 service runs them on its fp16-weight kernels (tandem.cpu_kernels)."""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -27,6 +29,9 @@ def build_tiny_model(path, seed: int, vocab: int = TINY_VOCAB, max_context: int 
         initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
     )
     model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
     model.save_pretrained(path)
     return str(path)

@@ -1,5 +1,5 @@
-"""Packed oneDNN linear layers compute what nn.Linear computes, and the model
-config picks them only where they apply."""
+"""Packed oneDNN and fp16-weight FBGEMM linear layers compute what nn.Linear
+computes, and the model config picks them only where they apply."""
 import pytest
 import torch
 
@@ -37,16 +37,78 @@ def test_packing_replaces_every_linear_and_keeps_greedy_output(tiny_models):
     assert out[0, len(prompt):].tolist() == reference_greedy(tiny_models["target"], prompt, 40)
 
 
+def _bf16_linear(out_features: int, in_features: int, bias: bool) -> torch.nn.Linear:
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.bfloat16().float())
+        linear.weight[3] *= 2.0**-24  # a row of tiny weights: fp16 holds it only once the row is scaled
+        linear.weight[5, :4] = torch.tensor([1e3, -2.5e-4, 0.0, 7.0]).bfloat16().float()
+    return linear
+
+
+@pytest.mark.skipif(not cpu_kernels.fp16_available(), reason="torch built without FBGEMM")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (6, 48), (2, 7, 48)])
+def test_fp16_linear_computes_the_float32_function_of_bf16_weights(bias, shape):
+    torch.manual_seed(0)
+    linear = _bf16_linear(80, 48, bias)
+    exact = cpu_kernels.exact_fp16(linear.weight.detach())
+    assert exact is not None and exact[1] is not None  # the tiny row needs its scale
+    weight, scale = exact
+    assert torch.equal(weight / scale[:, None], linear.weight.detach())  # not a bit lost
+    x = torch.randn(*shape)
+    got = cpu_kernels.Fp16Linear(linear, exact)(x)
+    exact64 = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                         None if linear.bias is None else linear.bias.double())
+    assert got.shape == exact64.shape
+    # as close to the exact product as nn.Linear's own float32 sum is (not fp16's 1e-3)
+    err_fp16, err_native = (got.double() - exact64).abs(), (linear(x).double() - exact64).abs()
+    scale64 = exact64.abs().amax(dim=-1, keepdim=True) + 1e-30
+    assert (err_fp16 / scale64).max() < 1e-6 and (err_native / scale64).max() < 1e-6
+    assert ((got.double() - exact64)[..., 3].abs() <= 1e-6 * exact64[..., 3].abs().amax() + 1e-30).all()
+
+
+@pytest.mark.skipif(not cpu_kernels.fp16_available(), reason="torch built without FBGEMM")
+def test_weights_that_fp16_would_round_keep_the_packed_kernel():
+    torch.manual_seed(0)
+    assert cpu_kernels.exact_fp16(torch.randn(8, 16)) is None  # float32 mantissas: 23 bits
+    wide = torch.ones(4, 16)
+    wide[0, 0] = 2.0**-40  # 40 binades below the row's largest: beyond fp16 even when scaled
+    assert cpu_kernels.exact_fp16(wide) is None
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), _bf16_linear(8, 8, True))
+    assert cpu_kernels.pack_linears(model, "fp16") == 2
+    assert isinstance(model[0], cpu_kernels.PackedLinear) and isinstance(model[2], cpu_kernels.Fp16Linear)
+
+
+@pytest.mark.skipif(not cpu_kernels.fp16_available(), reason="torch built without FBGEMM")
+def test_fp16_kernels_keep_greedy_output(tiny_models):
+    path = tiny_models["target"]
+    model = load_causal_lm(path, ModelConfig(path, dtype="float32", linear="fp16"))
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert not any(isinstance(m, cpu_kernels.PackedLinear) for m in model.modules())  # bf16 weights: all exact
+    prompt = [5, 17, 99, 3, 42, 8]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
+                             do_sample=False, pad_token_id=0)
+    assert out[0, len(prompt):].tolist() == reference_greedy(path, prompt, 40)
+
+
 def test_config_resolves_dtype_and_kernels():
     assert ModelConfig("m", device="cuda:0").resolved_dtype == "bfloat16"
     assert not ModelConfig("m", device="cuda:0", dtype="float32").packed
     assert not ModelConfig("m", dtype="bfloat16").packed
     assert ModelConfig("m", dtype="float32").packed
     assert not ModelConfig("m", dtype="float32", linear="native").packed
+    assert ModelConfig("m", dtype="float32").kernel == ("fp16" if cpu_kernels.fp16_available() else "packed")
+    assert ModelConfig("m", dtype="float32", linear="packed").kernel == "packed"
+    assert ModelConfig("m", dtype="bfloat16").kernel == "native"
     cpu = ModelConfig("m").resolved_dtype
     assert cpu == ("bfloat16" if cpu_kernels.native_bf16() else "float32")
     with pytest.raises(ValueError, match="packed"):
         ModelConfig("m", dtype="bfloat16", linear="packed")
+    with pytest.raises(ValueError, match="fp16 linear layers need"):
+        ModelConfig("m", device="cuda:0", dtype="float32", linear="fp16")
     with pytest.raises(ValueError, match="linear"):
         ModelConfig("m", linear="fast")
     with pytest.raises(ValueError, match="dtype"):

@@ -21,9 +21,17 @@ REPEATING = [10, 20, 30, 40, 50, 60, 10, 20, 30, 40, 50, 60, 10, 20]
 @pytest.mark.parametrize("options", [
     DraftOptions(backend="ngram"),
     DraftOptions(backend="ngram+model", vocab_subset=64),
+    DraftOptions(backend="model", vocab_subset=100),
     DraftOptions(backend="model", quantize="int8", vocab_subset=100),
 ])
 def test_backends_stay_lossless_end_to_end(tiny_models, options):
+    """Greedy output equals the target alone with every backend; a seeded sampled
+    run gives the same tokens with the pipeline on or off, except with an int8
+    draft: its activations are quantized with one scale per forward, so a token
+    drafted inside a two-token catch-up gets slightly other probabilities than
+    drafted alone, and the pipeline chunks the draft's input differently. (The
+    rejection rule keeps the target's distribution whatever the draft's,
+    test_e2e_sampling.)"""
     cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=options)
     try:
         with cluster.client() as client:
@@ -32,9 +40,12 @@ def test_backends_stay_lossless_end_to_end(tiny_models, options):
                 for pipeline in (False, True):
                     result = client.generate(prompt_ids=prompt, max_tokens=24, num_draft_tokens=3, pipeline=pipeline)
                     assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 24)
-            sampled = [client.generate(prompt_ids=REPEATING, max_tokens=16, temperature=1.0, seed=3,
-                                       num_draft_tokens=3, pipeline=p).token_ids for p in (False, True)]
-            assert sampled[0] == sampled[1]
+            if options.quantize == "int8":
+                return
+            for seed in (3, 4):
+                sampled = [client.generate(prompt_ids=REPEATING, max_tokens=16, temperature=1.0, seed=seed,
+                                           num_draft_tokens=3, pipeline=p).token_ids for p in (False, True)]
+                assert sampled[0] == sampled[1]
     finally:
         cluster.stop()
 
