@@ -4,7 +4,11 @@ draft token, so any change to the draft costs acceptance, never correctness.
 - ReducedHead (FR-Spec, 2025): score only the N most frequent tokens instead of
   the whole vocabulary; the draft's distribution is zero outside the subset.
 - int8 dynamic quantization of the draft's linear layers (fbgemm), several times
-  faster than bf16/fp32 matrix-vector products on CPUs without native bf16."""
+  faster than bf16/fp32 matrix-vector products on CPUs without native bf16.
+  Activations get one scale per forward, so the probabilities of a token
+  depend on which tokens shared its forward: the pipeline, which splits the
+  draft's input differently, changes a seeded sampled run (never a greedy one,
+  and never the output distribution, which the target's rejection rule fixes)."""
 from __future__ import annotations
 
 import logging

@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="score only the N most frequent tokens in the draft head (FR-Spec); 0 = full vocabulary")
     draft.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by prompt lookup")
     draft.add_argument("--quantize", default="none", choices=["none", "int8"],
-                       help="int8 dynamic quantization of the draft's linear layers (computes in float32)")
+                       help="int8 dynamic quantization of the draft's linear layers (computes in float32); "
+                            "its per-forward activation scales make a seeded sampled run differ between "
+                            "--pipeline on and off (greedy output does not)")
     draft.add_argument("--min-confidence", type=float, default=0.0,
                        help="greedy: end a draft block after a token the draft gives a probability below this "
                             "(Hugging Face's assistant_confidence_threshold); 0 = never (default: %(default)s)")
