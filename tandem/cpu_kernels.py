@@ -83,20 +83,15 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
     return "native"
 
 
-def use_packed(linear: str, device: str, dtype: str) -> bool:
-    """Whether a model on `device` in `dtype` gets replaced linear layers."""
-    return resolve_linear(linear, device, dtype) != "native"
-
-
 def baseline_configs(device: str, dtype: str) -> list[tuple[str, str]]:
     """The (dtype, linear) configurations to time the target alone in, for a
     speedup over the fastest of them: the service's own first (the identity
     reference: same weights, same kernels), then nn.Linear where the service's
-    layers are packed, and bf16. Even without native bf16, a one-token bf16
+    layers are replaced (packed or fp16 weights), and bf16. Even without native bf16, a one-token bf16
     decode is no slower than float32 with nn.Linear (372 vs 381 ms on the AVX2
     machine above), because it reads half the bytes."""
     configs = [(dtype, "auto")]
-    if use_packed("auto", device, dtype):
+    if resolve_linear("auto", device, dtype) != "native":
         configs.append((dtype, "native"))
     if dtype != "bfloat16":
         configs.append(("bfloat16", "auto"))
