@@ -40,6 +40,21 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
     p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")
     p.add_argument("--session-ttl", type=float, default=3600, help="drop caches idle this many seconds")
+    _add_telemetry_flags(p)
+
+
+def _add_telemetry_flags(p) -> None:
+    from tandem.telemetry import TRACE_EXPORTERS
+
+    env = os.environ.get("OTEL_TRACES_EXPORTER", "none")
+    p.add_argument("--otel-traces", choices=TRACE_EXPORTERS, default=env if env in TRACE_EXPORTERS else "none",
+                   help="export OpenTelemetry spans: none; console (stderr); otlp (OTLP/HTTP to "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT, default http://localhost:4318). The sampler follows "
+                        "$OTEL_TRACES_SAMPLER (default: parent-based, always on) "
+                        "(default: $OTEL_TRACES_EXPORTER or %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 = off "
+                        "(default: %(default)s)")
 
 
 def _add_sampling_flags(p) -> None:
@@ -103,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--max-tokens", type=int, default=128, help="default max_tokens of a request")
     orch.add_argument("--session-ttl", type=int, default=3600, help="idle session lifetime, seconds")
     orch.add_argument("--wait", type=float, default=600, help="seconds to wait for the model services at start")
+    _add_telemetry_flags(orch)
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
     gen.add_argument("prompt", nargs="?", default=None, help="prompt text")
@@ -119,11 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> None:
-    from tandem import serving
+    from tandem import serving, telemetry
     from tandem.model_service import CacheConfig
     from tandem.modeling import ModelConfig
 
     address = f"{args.host}:{args.port}"
+    observability = telemetry.setup(telemetry.TelemetryConfig(
+        service_name=os.environ.get("OTEL_SERVICE_NAME") or telemetry.SERVICE_NAMES[args.role],
+        traces=args.otel_traces, metrics_port=args.metrics_port, metrics_host=args.host,
+    ))
 
     async def run():
         if args.role == "orchestrator":
@@ -159,7 +179,10 @@ def _serve(args) -> None:
         print(f"READY {args.role} {args.host}:{port}", flush=True)
         await serving.run_until_signalled(server, health, [name])
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        observability.shutdown()  # flushes the spans not exported yet
 
 
 def _print_result(result, args) -> None:
