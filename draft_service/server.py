@@ -9,7 +9,7 @@ import grpc
 
 from draft_service.cheap import ReducedHead, frequent_token_ids, quantize_int8
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
-from tandem import serving
+from tandem import serving, telemetry
 from tandem.cpu_kernels import pack_linears
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
 from tandem.modeling import ModelConfig, ModelRunner, load, load_identity
@@ -62,6 +62,8 @@ def _special_ids(info) -> set[int]:
 
 
 class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
+    role = "draft"
+
     def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig(), options: DraftOptions = DraftOptions()):
         self.backend = options.label
         budget = cache.budget_mb * 2**20
@@ -114,23 +116,33 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         )
 
     async def Propose(self, request, context):
-        try:
-            call = self._call(request)
-        except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        cancelled = threading.Event()
-        context.add_done_callback(lambda _: cancelled.set())
-        proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled)
-        self.prefill_tokens += proposal.prefilled
-        return draft_pb2.ProposeReply(
-            tokens=proposal.tokens,
-            token_probs=proposal.token_probs,
-            distributions=[encode_distribution(d) for d in proposal.dists],
-            prefilled_tokens=proposal.prefilled,
-            cropped_tokens=proposal.cropped,
-            compute_ms=proposal.compute_ms,
-            step_ms=proposal.step_ms,
-        )
+        with telemetry.server_span(f"{SERVICE_NAME}/Propose", context) as span:
+            try:
+                call = self._call(request)
+            except InvalidRequest as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            if span.is_recording():
+                span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
+                                     "tandem.new_tokens": len(call.new_tokens), "tandem.k": call.num_tokens,
+                                     "tandem.bonus_guess": call.first_is_bonus_guess})
+            cancelled = threading.Event()
+            context.add_done_callback(lambda _: cancelled.set())
+            proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled)
+            self.prefill_tokens += proposal.prefilled
+            if proposal.step_ms:
+                telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)
+            if span.is_recording():
+                span.set_attributes({"tandem.drafted": len(proposal.tokens), "tandem.prefilled": proposal.prefilled,
+                                     "tandem.cropped": proposal.cropped, "tandem.compute_ms": proposal.compute_ms})
+            return draft_pb2.ProposeReply(
+                tokens=proposal.tokens,
+                token_probs=proposal.token_probs,
+                distributions=[encode_distribution(d) for d in proposal.dists],
+                prefilled_tokens=proposal.prefilled,
+                cropped_tokens=proposal.cropped,
+                compute_ms=proposal.compute_ms,
+                step_ms=proposal.step_ms,
+            )
 
 
 def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(),

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import grpc
 
-from tandem import serving
+from tandem import serving, telemetry
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import sampling_to_proto
@@ -132,7 +132,7 @@ class GrpcProposer(_GrpcClient):
         )
         start = time.perf_counter()
         try:
-            reply = await self.stub.Propose(request, timeout=self.timeout_s)
+            reply = await self.stub.Propose(request, timeout=self.timeout_s, metadata=telemetry.outgoing_metadata())
         except grpc.aio.AioRpcError as err:
             raise _translate(err) from None
         return DraftBlock(
@@ -162,7 +162,7 @@ class GrpcVerifier(_GrpcClient):
         )
         start = time.perf_counter()
         try:
-            reply = await self.stub.Verify(request, timeout=self.timeout_s)
+            reply = await self.stub.Verify(request, timeout=self.timeout_s, metadata=telemetry.outgoing_metadata())
         except grpc.aio.AioRpcError as err:
             raise _translate(err) from None
         return VerifyResult(

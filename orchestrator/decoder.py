@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 from orchestrator.backends import DraftBlock, Prefix, Proposer, ServiceCacheMiss, Verifier, VerifyResult
 from orchestrator.policy import KPolicy
-from tandem import fingerprint
+from tandem import fingerprint, telemetry
 from tandem.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,12 @@ class RoundStats:
     overhead_ms: list[float] = field(default_factory=list)
     verify_ms: list[float] = field(default_factory=list)  # verifies of a block with at most one prefilled token
     draft_step_ms: list[float] = field(default_factory=list)
+    tokens_per_round: list[int] = field(default_factory=list)  # committed by each round
 
     def record(self, block: DraftBlock, result: VerifyResult) -> None:
         k = len(block.tokens)
         self.rounds += 1
+        self.tokens_per_round.append(result.accepted + 1)
         self.drafted += k
         self.accepted += result.accepted
         self.rejected_rounds += result.accepted < k
@@ -109,6 +111,7 @@ class Decoder:
         policy: KPolicy,
         pipeline: bool,
         max_context: int = 1 << 30,
+        request_span=telemetry.NO_SPAN,
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -120,6 +123,7 @@ class Decoder:
         self.policy = policy
         self.pipeline = pipeline
         self.max_context = max_context
+        self.request_span = request_span  # parent of the round spans while tracing
         self.stats = RoundStats()
 
     # --- service calls, with re-sync on cache miss ------------------------------
@@ -132,60 +136,75 @@ class Decoder:
         """k, less what would run past the context window in the verify."""
         return max(0, min(k, self.max_context - len(self.committed) - 1))
 
-    async def _draft(self, k: int) -> DraftBlock:
+    async def _draft(self, k: int, round_span=telemetry.NO_SPAN) -> DraftBlock:
         k = self._room(k)
         if k == 0:
             return DraftBlock(tokens=[])  # a plain decoding step
-        for attempt in range(2):
-            base = self._pending(self.draft_view)
-            try:
-                block = await self.proposer.propose(
-                    self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling
-                )
-                break
-            except ServiceCacheMiss:
-                self.stats.cache_misses += 1
-                self.draft_view.length = 0
-                if attempt:
-                    raise
+        with telemetry.child_span("tandem.draft", round_span, telemetry.SpanKind.CLIENT) as span:
+            for attempt in range(2):
+                base = self._pending(self.draft_view)
+                try:
+                    block = await self.proposer.propose(
+                        self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling
+                    )
+                    break
+                except ServiceCacheMiss:
+                    span.add_event("cache miss: re-sync")
+                    self.stats.cache_misses += 1
+                    self.draft_view.length = 0
+                    if attempt:
+                        raise
+            if span.is_recording():
+                span.set_attributes({"tandem.k": k, "tandem.prefilled": block.prefilled,
+                                     "tandem.compute_ms": block.compute_ms})
         self.stats.draft_prefill += block.prefilled
         self.draft_view.length = len(self.committed)
         self.draft_view.tail = block.tokens[:-1]
         return block
 
-    async def _verify(self, block: DraftBlock) -> VerifyResult:
-        for attempt in range(2):
-            base = self._pending(self.target_view)
-            try:
-                result = await self.verifier.verify(
-                    self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block, self.sampling
-                )
-                break
-            except ServiceCacheMiss:
-                self.stats.cache_misses += 1
-                self.target_view.length = 0
-                if attempt:
-                    raise
+    async def _verify(self, block: DraftBlock, round_span=telemetry.NO_SPAN) -> VerifyResult:
+        with telemetry.child_span("tandem.verify", round_span, telemetry.SpanKind.CLIENT) as span:
+            for attempt in range(2):
+                base = self._pending(self.target_view)
+                try:
+                    result = await self.verifier.verify(
+                        self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block,
+                        self.sampling,
+                    )
+                    break
+                except ServiceCacheMiss:
+                    span.add_event("cache miss: re-sync")
+                    self.stats.cache_misses += 1
+                    self.target_view.length = 0
+                    if attempt:
+                        raise
+            if span.is_recording():
+                span.set_attributes({"tandem.k": len(block.tokens), "tandem.accepted": result.accepted,
+                                     "tandem.prefilled": result.prefilled, "tandem.compute_ms": result.compute_ms})
         self.stats.target_prefill += result.prefilled
         self.target_view.length = len(self.committed)
         self.target_view.tail = block.tokens[: result.accepted]
         return result
 
-    async def _predraft(self, block: DraftBlock, k: int) -> DraftBlock | None:
+    async def _predraft(self, block: DraftBlock, k: int, round_span=telemetry.NO_SPAN) -> DraftBlock | None:
         """Drafts the block after `block` + a guess of the bonus token, assuming all
         of `block` is accepted. None when the draft lost its cache meanwhile."""
-        try:
-            return await self.proposer.propose(
-                self.session_id,
-                self.committed.prefix(len(self.committed), block.tokens[:-1]),
-                block.tokens[-1:],
-                k + 1,
-                self.sampling,
-                bonus_guess=True,
-            )
-        except ServiceCacheMiss:
-            log.debug("pre-draft of session %s missed", self.session_id)
-            return None
+        with telemetry.child_span("tandem.predraft", round_span, telemetry.SpanKind.CLIENT) as span:
+            if span.is_recording():
+                span.set_attribute("tandem.k", k + 1)  # the bonus guess, then k
+            try:
+                return await self.proposer.propose(
+                    self.session_id,
+                    self.committed.prefix(len(self.committed), block.tokens[:-1]),
+                    block.tokens[-1:],
+                    k + 1,
+                    self.sampling,
+                    bonus_guess=True,
+                )
+            except ServiceCacheMiss:
+                span.add_event("cache miss")
+                log.debug("pre-draft of session %s missed", self.session_id)
+                return None
 
     # --- the rounds ---------------------------------------------------------
     def _commit(self, block: DraftBlock, result: VerifyResult) -> list[int]:
@@ -204,14 +223,28 @@ class Decoder:
         self.policy.observe(len(block.tokens), result.accepted, block.step_ms, verify_ms)
         return newly
 
-    def _launch(self, block: DraftBlock) -> tuple[asyncio.Task, asyncio.Task | None]:
+    def _launch(self, block: DraftBlock, round_span) -> tuple[asyncio.Task, asyncio.Task | None]:
         """Starts verifying `block` and, when pipelining, pre-drafting the next one."""
-        verify = asyncio.create_task(self._verify(block))
+        verify = asyncio.create_task(self._verify(block, round_span))
         pre = None
         if self.pipeline and block.tokens and self._room(len(block.tokens) + self.policy.k_ahead + 1):
-            pre = asyncio.create_task(self._predraft(block, self.policy.k_ahead))
+            pre = asyncio.create_task(self._predraft(block, self.policy.k_ahead, round_span))
             self.stats.predraft_attempts += 1
         return verify, pre
+
+    def _open_round(self, predrafted: bool):
+        """The span of the next round: its draft (unless pre-drafted), its verify
+        and the pre-draft launched beside that verify."""
+        if not telemetry.tracing():
+            return telemetry.NO_SPAN
+        return telemetry.start_span("tandem.round", self.request_span, attributes={
+            "tandem.round": self.stats.rounds + 1, "tandem.predraft_hit": predrafted})
+
+    @staticmethod
+    def _close_round(span, block: DraftBlock, result: VerifyResult) -> None:
+        if span.is_recording():
+            span.set_attributes({"tandem.k": len(block.tokens), "tandem.accepted": result.accepted})
+        span.end()
 
     async def rounds(self) -> AsyncIterator[list[int]]:
         """Yields the tokens committed by each round, forever; the caller stops.
@@ -221,11 +254,12 @@ class Decoder:
         overhead_ms of a round: the wall time from one verify launch to the next,
         minus the services' compute on the critical path."""
         tasks: list[asyncio.Task | None] = []
+        span = self._open_round(predrafted=False)
         try:
-            block = await self._draft(self.policy.k)
+            block = await self._draft(self.policy.k, span)
             waited_ms = block.compute_ms
             round_start = time.perf_counter()
-            verify_task, pre_task = self._launch(block)
+            verify_task, pre_task = self._launch(block, span)
             tasks = [verify_task, pre_task]
             while True:
                 result = await verify_task
@@ -237,12 +271,14 @@ class Decoder:
                     wait_start = time.perf_counter()
                     next_block = await self._take_predraft(pre_task, block, result)
                     waited_ms += (time.perf_counter() - wait_start) * 1e3
+                self._close_round(span, block, result)
+                span = self._open_round(predrafted=next_block is not None)
                 if next_block is not None:
                     block, prefetch = next_block, None
-                    verify_task, pre_task = self._launch(block)
+                    verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
                 else:
-                    prefetch = asyncio.create_task(self._draft(self.policy.k))
+                    prefetch = asyncio.create_task(self._draft(self.policy.k, span))
                     tasks = [prefetch]
                 yield newly
                 if prefetch is not None:
@@ -250,7 +286,7 @@ class Decoder:
                     block = await prefetch
                     # the draft's compute is on the critical path only while we wait for it
                     waited_ms_draft = min(block.compute_ms, (time.perf_counter() - wait_start) * 1e3)
-                    verify_task, pre_task = self._launch(block)
+                    verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
                 else:
                     waited_ms_draft = 0.0
@@ -267,6 +303,7 @@ class Decoder:
             for task in tasks:
                 if task is not None and not task.done():
                     await _cancel(task)
+            span.end()  # the round launched when the caller stopped, its calls cancelled
 
     async def _take_predraft(self, task: asyncio.Task, block: DraftBlock, result: VerifyResult) -> DraftBlock | None:
         """The pre-drafted block if the target took all of `block` and its bonus

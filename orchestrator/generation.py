@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from orchestrator.backends import Proposer, Verifier
-from orchestrator.decoder import Committed, Decoder, ServiceView
+from orchestrator.decoder import Committed, Decoder, RoundStats, ServiceView
 from orchestrator.policy import KPolicy, KPolicyConfig, StepCosts
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import Detokenizer, find_stop
+from tandem import telemetry
 from tandem.sampling import SamplingParams
 from tandem.v1 import tandem_pb2
 
@@ -76,9 +77,10 @@ class Generation:
         return KPolicy(cfg, pipelined=pipeline, costs=self.costs[pipeline])
 
     async def run(self, record: SessionRecord, turn: list[int], params: RequestParams,
-                  outcome: TurnOutcome | None = None) -> AsyncIterator:
+                  outcome: TurnOutcome | None = None, span=telemetry.NO_SPAN) -> AsyncIterator:
         """Streams GenerateEvents; the last one is the Completion. The caller holds
-        the session lock and has validated the context length."""
+        the session lock and has validated the context length. `span` is the
+        request's (its rounds are its children while tracing)."""
         started = time.perf_counter()
         await self.store.append_tokens(record, turn)  # the turn is committed first
         pipeline = self.config.pipeline if params.pipeline is None else params.pipeline
@@ -86,8 +88,9 @@ class Generation:
         decoder = Decoder(
             self.proposer, self.verifier, record.session_id, committed,
             ServiceView(record.draft_len), ServiceView(record.target_len),
-            params.sampling, self.policy_for(params, pipeline), pipeline, self.config.max_context,
+            params.sampling, self.policy_for(params, pipeline), pipeline, self.config.max_context, span,
         )
+        metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)
         completion: list[int] = []
         finish = tandem_pb2.FINISH_REASON_UNSPECIFIED
@@ -107,14 +110,23 @@ class Generation:
                     if not first_token_ms:
                         first_token_ms = (time.perf_counter() - started) * 1e3
                     yield _event_delta(keep, text)
+                    metrics.streamed(len(keep), first_token_ms)
+                metrics.record_rounds(decoder.stats)  # while the next round's calls run
                 if finish != tandem_pb2.FINISH_REASON_UNSPECIFIED:
                     break
         finally:
             await rounds.aclose()
+            metrics.finish(decoder.stats, finish, len(completion))
             # Services may hold more than was committed; they crop on the next call.
             record.draft_len = min(decoder.draft_view.length, len(record.tokens))
             record.target_len = min(decoder.target_view.length, len(record.tokens))
             await self.store.save_meta(record)
+            if span.is_recording():
+                span.set_attributes({
+                    "tandem.session_id": record.session_id, "tandem.prompt_tokens": len(turn),
+                    "tandem.completion_tokens": len(completion), "tandem.finish_reason": _reason(finish),
+                    "tandem.rounds": decoder.stats.rounds, "tandem.drafted": decoder.stats.drafted,
+                    "tandem.accepted": decoder.stats.accepted, "tandem.pipeline": pipeline})
         stats = decoder.stats
         yield tandem_pb2.GenerateEvent(final=tandem_pb2.Completion(
             finish_reason=finish,
@@ -163,6 +175,62 @@ class Generation:
         if len(newly) >= limit:
             return newly[:limit], at_limit
         return newly, tandem_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class RequestMetrics:
+    """Feeds one request's measurements to the instruments: per-round values a
+    round at a time while the next round computes, counters once at the end,
+    from the same RoundStats the Completion reports. (The services record
+    their compute times themselves.)"""
+
+    def __init__(self, instruments: telemetry.Instruments):
+        self.i = instruments
+        self.done = dict(tokens_per_round=0, overhead_ms=0)
+        self.last_chunk = 0.0
+
+    def streamed(self, tokens: int, first_token_ms: float) -> None:
+        """After a chunk of `tokens` went out."""
+        if not self.i.enabled:
+            return
+        now = time.perf_counter()
+        if self.last_chunk:
+            self.i.inter_token_latency.record((now - self.last_chunk) / tokens)
+        else:
+            self.i.time_to_first_token.record(first_token_ms * 1e-3)
+        self.last_chunk = now
+
+    def record_rounds(self, stats: RoundStats) -> None:
+        if not self.i.enabled:
+            return
+        for name, histogram, scale in (("tokens_per_round", self.i.tokens_per_round, 1),
+                                       ("overhead_ms", self.i.round_overhead, 1e-3)):
+            values = getattr(stats, name)
+            for value in values[self.done[name]:]:
+                histogram.record(max(value, 0) * scale)  # an overhead is < 0 when timings overlap
+            self.done[name] = len(values)
+
+    def finish(self, stats: RoundStats, finish, completion_tokens: int) -> None:
+        if not self.i.enabled:
+            return
+        self.record_rounds(stats)
+        i = self.i
+        i.requests.add(1, {"finish_reason": _reason(finish)})
+        i.completion_tokens.add(completion_tokens)
+        i.drafts.add(stats.rounds)
+        i.draft_tokens.add(stats.drafted)
+        i.accepted_tokens.add(stats.accepted)
+        for position, accepted in enumerate(stats.accepted_per_position):
+            i.accepted_per_position.add(accepted, {"position": position})
+        i.predraft_attempts.add(stats.predraft_attempts)
+        i.predraft_hits.add(stats.predraft_hits)
+
+
+def _reason(finish) -> str:
+    """The finish reason as a label: length, eos, stop, context, or unfinished
+    (the request failed or was cancelled)."""
+    if finish == tandem_pb2.FINISH_REASON_UNSPECIFIED:
+        return "unfinished"
+    return tandem_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
 
 
 def _median(values: list[float]) -> float:

@@ -13,7 +13,7 @@ from orchestrator.generation import EngineConfig, Generation, RequestParams, Tur
 from orchestrator.policy import KPolicyConfig
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
-from tandem import serving
+from tandem import serving, telemetry
 from tandem.modeling import load_tokenizer, tokenizer_fingerprint
 from tandem.sampling import SamplingParams
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -165,7 +165,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         session_id = await self.store.create(tenant)
         record = await self.store.load(tenant, session_id)
         try:
-            async for event in self._stream(context, generation, record, prompt, params):
+            async for event in self._stream(context, generation, record, prompt, params, method="Generate"):
                 yield event
         finally:
             if not request.keep_session:
@@ -203,7 +203,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         outcome = TurnOutcome()
-        async for event in self._stream(context, generation, record, turn, params, outcome):
+        async for event in self._stream(context, generation, record, turn, params, outcome, method="Chat"):
             yield event
         if user is not None:
             record.messages += [user, {"role": "assistant", "content": outcome.text}]
@@ -245,18 +245,24 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         except SessionForbidden as err:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
 
-    async def _stream(self, context, generation, record, turn, params, outcome=None):
-        try:
-            async with self.store.lock(record):
-                async for event in generation.run(record, turn, params, outcome):
-                    yield event
-        except SessionBusy as err:
-            await context.abort(grpc.StatusCode.ABORTED, str(err))
-        except ServiceUnavailable as err:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"a model service failed mid-generation ({err}); the tokens streamed so far are committed",
-            )
+    async def _stream(self, context, generation, record, turn, params, outcome=None, method="Generate"):
+        """Runs the generation in the request's span: the root of its trace, or a
+        child of the caller's when the call carries W3C trace context."""
+        with telemetry.request_span(f"{SERVICE_NAME}/{method}", context) as span:
+            if span.is_recording():
+                span.set_attributes({"tandem.tenant": record.tenant, "tandem.max_tokens": params.max_tokens,
+                                     "tandem.temperature": params.sampling.temperature})
+            try:
+                async with self.store.lock(record):
+                    async for event in generation.run(record, turn, params, outcome, span):
+                        yield event
+            except SessionBusy as err:
+                await context.abort(grpc.StatusCode.ABORTED, str(err))
+            except ServiceUnavailable as err:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"a model service failed mid-generation ({err}); the tokens streamed so far are committed",
+                )
 
     async def _delete(self, tenant: str, session_id: str) -> bool:
         deleted = await self.store.delete(tenant, session_id)

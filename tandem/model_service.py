@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tandem import serving
+from tandem import serving, telemetry
 from tandem.modeling import LoadedModel
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2
@@ -34,6 +34,7 @@ class ModelServiceBase:
     """Holds the store and worker; subclasses add Propose or Verify."""
 
     backend = "model"
+    role = "model"  # "draft" or "target": names spans and labels metrics
 
     def __init__(self, info: LoadedModel | None, store: SessionCacheStore, worker_name: str):
         self.info = info
@@ -41,6 +42,7 @@ class ModelServiceBase:
         self.worker = serving.ModelWorker(worker_name)
         self.prefill_tokens = 0
         self.calls = 0
+        telemetry.watch_service(self)
 
     # --- checks ---------------------------------------------------------------
     def check_tokens(self, request_tokens, what: str, vocab_size: int) -> list[int]:
@@ -66,7 +68,7 @@ class ModelServiceBase:
 
         self.calls += 1
         try:
-            return await self.worker.run(fn, *args, cancelled=cancelled)
+            return await self.worker.run(fn, *args, cancelled=cancelled, span=f"tandem.{self.role}.compute")
         except CacheMiss as miss:
             await serving.abort_cache_miss(context, miss)
         except InvalidRequest as err:
@@ -98,11 +100,12 @@ class ModelServiceBase:
         released = await self.worker.run(self.store.release, request.session_id)
         return common_pb2.ReleaseSessionReply(released=released)
 
-    async def GetStats(self, request, context):
+    def counts(self) -> dict[str, int]:
+        """What GetStats reports, keyed by ServiceStats field; the metrics read it too."""
         counters = self.store.counters
-        return common_pb2.ServiceStats(
+        return dict(
             sessions=len(self.store),
-            cache_bytes=await self.worker.run(self.store.total_bytes),
+            cache_bytes=self.store.total_bytes(),
             cache_budget_bytes=self.store.budget_bytes,
             evictions=counters.evictions,
             cache_misses=counters.misses,
@@ -111,3 +114,7 @@ class ModelServiceBase:
             calls=self.calls,
             queue_depth=self.worker.queue_depth,
         )
+
+    async def GetStats(self, request, context):
+        cache_bytes = await self.worker.run(self.store.total_bytes)  # after the calls queued before this one
+        return common_pb2.ServiceStats(**{**self.counts(), "cache_bytes": cache_bytes})

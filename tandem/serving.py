@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem import telemetry
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -76,7 +78,12 @@ class ModelWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.queue_depth = 0
 
-    async def run(self, fn: Callable[..., T], *args, cancelled: threading.Event | None = None) -> T:
+    async def run(self, fn: Callable[..., T], *args, cancelled: threading.Event | None = None,
+                  span: str | None = None) -> T:
+        """Runs fn(*args) on the worker thread; `span` names a span for it under
+        the current one while tracing."""
+        if span is not None:
+            fn = telemetry.in_span(span, fn)
         self.queue_depth += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

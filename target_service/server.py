@@ -6,7 +6,7 @@ import logging
 import grpc
 import torch
 
-from tandem import serving
+from tandem import serving, telemetry
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
 from tandem.modeling import ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
@@ -19,6 +19,8 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
+    role = "target"
+
     def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig()):
         info = load(model)
         runner = ModelRunner(info, model.device)
@@ -56,19 +58,28 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         )
 
     async def Verify(self, request, context):
-        try:
-            call = self._call(request)
-        except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        outcome = await self.run_checked(context, self.verifier.verify, call)
-        self.prefill_tokens += outcome.prefilled
-        return target_pb2.VerifyReply(
-            accepted=outcome.accepted,
-            next_token=outcome.next_token,
-            prefilled_tokens=outcome.prefilled,
-            cropped_tokens=outcome.cropped,
-            compute_ms=outcome.compute_ms,
-        )
+        with telemetry.server_span(f"{SERVICE_NAME}/Verify", context) as span:
+            try:
+                call = self._call(request)
+            except InvalidRequest as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            if span.is_recording():
+                span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
+                                     "tandem.new_tokens": len(call.new_tokens), "tandem.k": len(call.draft_tokens)})
+            outcome = await self.run_checked(context, self.verifier.verify, call)
+            self.prefill_tokens += outcome.prefilled
+            if outcome.prefilled <= 1 and call.draft_tokens:  # as the orchestrator's verify_ms_p50
+                telemetry.instruments().verify_compute.record(outcome.compute_ms * 1e-3)
+            if span.is_recording():
+                span.set_attributes({"tandem.accepted": outcome.accepted, "tandem.prefilled": outcome.prefilled,
+                                     "tandem.cropped": outcome.cropped, "tandem.compute_ms": outcome.compute_ms})
+            return target_pb2.VerifyReply(
+                accepted=outcome.accepted,
+                next_token=outcome.next_token,
+                prefilled_tokens=outcome.prefilled,
+                cropped_tokens=outcome.cropped,
+                compute_ms=outcome.compute_ms,
+            )
 
 
 def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig()):
