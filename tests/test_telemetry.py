@@ -1,6 +1,7 @@
 """Traces and metrics over the real cluster: W3C context crosses the real gRPC
 hops, the counters equal the Completion's stats, and --metrics-port serves them."""
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -193,6 +194,7 @@ def test_serve_flags_export_spans_and_serve_metrics(tiny_models):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
+        assert select.select([process.stdout], [], [], 120)[0], "the target service did not start in 120 s"
         ready = process.stdout.readline()
         assert ready.startswith("READY target"), process.stderr.read()
         address = ready.split()[-1]
