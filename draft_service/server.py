@@ -5,7 +5,6 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-import grpc
 
 from draft_service.cheap import ReducedHead, frequent_token_ids, quantize_int8
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
@@ -117,10 +116,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
 
     async def Propose(self, request, context):
         with telemetry.server_span(f"{SERVICE_NAME}/Propose", context) as span:
-            try:
-                call = self._call(request)
-            except InvalidRequest as err:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            call = await self.checked_call(context, request)
             if span.is_recording():
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": call.num_tokens,

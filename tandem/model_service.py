@@ -62,6 +62,17 @@ class ModelServiceBase:
         if self.info is not None and total > self.info.max_context:
             raise InvalidRequest(f"{total} tokens exceed the model's context window of {self.info.max_context}")
 
+    def _call(self, request):
+        """The request, checked, as the call the model worker runs; raises InvalidRequest."""
+        raise NotImplementedError
+
+    async def checked_call(self, context, request):
+        """self._call(request), or the rpc ends with INVALID_ARGUMENT."""
+        try:
+            return self._call(request)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
     async def run_checked(self, context, fn, *args, cancelled=None):
         """Runs fn on the model worker and maps failures to status codes."""
         from tandem.session_cache import CacheMiss

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 import torch
 
 from tandem import serving, telemetry
@@ -59,10 +58,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
 
     async def Verify(self, request, context):
         with telemetry.server_span(f"{SERVICE_NAME}/Verify", context) as span:
-            try:
-                call = self._call(request)
-            except InvalidRequest as err:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            call = await self.checked_call(context, request)
             if span.is_recording():
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": len(call.draft_tokens)})
