@@ -136,24 +136,27 @@ class Decoder:
         """k, less what would run past the context window in the verify."""
         return max(0, min(k, self.max_context - len(self.committed) - 1))
 
+    async def _resynced(self, view: ServiceView, span, call):
+        """call(base), sending the committed tokens after what the service is
+        believed to hold; on a cache miss, once more from the whole prefix."""
+        for attempt in range(2):
+            base = self._pending(view)
+            try:
+                return await call(base)
+            except ServiceCacheMiss:
+                span.add_event("cache miss: re-sync")
+                self.stats.cache_misses += 1
+                view.length = 0
+                if attempt:
+                    raise
+
     async def _draft(self, k: int, round_span=telemetry.NO_SPAN) -> DraftBlock:
         k = self._room(k)
         if k == 0:
             return DraftBlock(tokens=[])  # a plain decoding step
         with telemetry.child_span("tandem.draft", round_span, telemetry.SpanKind.CLIENT) as span:
-            for attempt in range(2):
-                base = self._pending(self.draft_view)
-                try:
-                    block = await self.proposer.propose(
-                        self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling
-                    )
-                    break
-                except ServiceCacheMiss:
-                    span.add_event("cache miss: re-sync")
-                    self.stats.cache_misses += 1
-                    self.draft_view.length = 0
-                    if attempt:
-                        raise
+            block = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
+                self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling))
             if span.is_recording():
                 span.set_attributes({"tandem.k": k, "tandem.prefilled": block.prefilled,
                                      "tandem.compute_ms": block.compute_ms})
@@ -164,20 +167,8 @@ class Decoder:
 
     async def _verify(self, block: DraftBlock, round_span=telemetry.NO_SPAN) -> VerifyResult:
         with telemetry.child_span("tandem.verify", round_span, telemetry.SpanKind.CLIENT) as span:
-            for attempt in range(2):
-                base = self._pending(self.target_view)
-                try:
-                    result = await self.verifier.verify(
-                        self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block,
-                        self.sampling,
-                    )
-                    break
-                except ServiceCacheMiss:
-                    span.add_event("cache miss: re-sync")
-                    self.stats.cache_misses += 1
-                    self.target_view.length = 0
-                    if attempt:
-                        raise
+            result = await self._resynced(self.target_view, span, lambda base: self.verifier.verify(
+                self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block, self.sampling))
             if span.is_recording():
                 span.set_attributes({"tandem.k": len(block.tokens), "tandem.accepted": result.accepted,
                                      "tandem.prefilled": result.prefilled, "tandem.compute_ms": result.compute_ms})
