@@ -203,11 +203,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         outcome = TurnOutcome()
-        async for event in self._stream(context, generation, record, turn, params, outcome, method="Chat"):
+        async for event in self._stream(context, generation, record, turn, params, outcome, method="Chat", user=user):
             yield event
-        if user is not None:
-            record.messages += [user, {"role": "assistant", "content": outcome.text}]
-            await self.store.save_meta(record)
 
     async def DeleteSession(self, request, context):
         tenant = self._tenant(context)
@@ -245,17 +242,23 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         except SessionForbidden as err:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
 
-    async def _stream(self, context, generation, record, turn, params, outcome=None, method="Generate"):
-        """Runs the generation in the request's span: the root of its trace, or a
-        child of the caller's when the call carries W3C trace context."""
+    async def _stream(self, context, generation, record, turn, params, outcome=None, method="Generate", user=None):
+        """Runs the generation under the session's lock, in the request's span: the
+        root of its trace, or a child of the caller's when the call carries W3C
+        trace context. A finished chat turn adds `user` and the reply to the
+        history before the lock is released."""
         with telemetry.request_span(f"{SERVICE_NAME}/{method}", context) as span:
             if span.is_recording():
                 span.set_attributes({"tandem.tenant": record.tenant, "tandem.max_tokens": params.max_tokens,
                                      "tandem.temperature": params.sampling.temperature})
             try:
                 async with self.store.lock(record):
+                    await self.store.refresh(record)  # the record was loaded before the lock
                     async for event in generation.run(record, turn, params, outcome, span):
                         yield event
+                    if user is not None:
+                        record.messages += [user, {"role": "assistant", "content": outcome.text}]
+                        await self.store.save_meta(record)
             except SessionBusy as err:
                 await context.abort(grpc.StatusCode.ABORTED, str(err))
             except ServiceUnavailable as err:

@@ -103,6 +103,16 @@ class SessionStore:
             await pipe.execute()
         record.tokens.extend(tokens)
 
+    async def refresh(self, record: SessionRecord) -> None:
+        """Under the session's lock: takes what a request that held the lock since
+        `record` was loaded left behind (the services' lengths). Raises SessionBusy
+        if that request also committed tokens or messages, since the new turn was
+        built on the old ones."""
+        fresh = await self.load(record.tenant, record.session_id)
+        if fresh.tokens != record.tokens or fresh.messages != record.messages:
+            raise SessionBusy("the session changed while this request was being prepared; send it again")
+        record.draft_len, record.target_len = fresh.draft_len, fresh.target_len
+
     async def save_meta(self, record: SessionRecord) -> None:
         await self.redis.hset(self._key(record.tenant, record.session_id), mapping={
             "messages": json.dumps(record.messages),

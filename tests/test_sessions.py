@@ -105,3 +105,37 @@ def test_session_cache_store_evicts_least_recently_used():
         store.checkout("a", 3, 0)
     cache, cropped = store.checkout("b", 2, store._sessions["b"].fps[1])
     assert cropped == 1 and cache.tokens == [1, 2]
+
+
+def test_a_request_takes_the_session_as_the_previous_request_left_it():
+    """A request loads its session before it takes the session's lock. Under the
+    lock it takes the service lengths the previous holder saved; if that holder
+    also committed tokens, the request is refused (ABORTED upstream), since its
+    turn was built on the old history."""
+    import asyncio
+
+    from orchestrator.store import SessionBusy, SessionStore
+    from tests.conftest import REDIS_URL
+
+    async def scenario():
+        store = SessionStore(REDIS_URL)
+        try:
+            session = await store.create("t-refresh")
+            await store.append_tokens(await store.load("t-refresh", session), [5, 6, 7])
+            waiting = await store.load("t-refresh", session)  # loaded, then waits for the lock
+            holder = await store.load("t-refresh", session)
+            holder.draft_len, holder.target_len = 3, 2
+            await store.save_meta(holder)  # the holder's finally
+            async with store.lock(waiting):
+                await store.refresh(waiting)
+            assert (waiting.draft_len, waiting.target_len) == (3, 2)
+            stale = await store.load("t-refresh", session)
+            await store.append_tokens(holder, [8])  # the holder committed another token
+            async with store.lock(stale):
+                with pytest.raises(SessionBusy):
+                    await store.refresh(stale)
+            await store.delete("t-refresh", session)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
