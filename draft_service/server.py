@@ -5,7 +5,6 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-
 from draft_service.cheap import ReducedHead, frequent_token_ids, quantize_int8
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
 from tandem import serving, telemetry

@@ -162,20 +162,19 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             self._check_room(0, len(prompt), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        session_id = await self.store.create(tenant)
-        record = await self.store.load(tenant, session_id)
+        record = await self.store.create(tenant)
         try:
             async for event in self._stream(context, generation, record, prompt, params, method="Generate"):
                 yield event
         finally:
             if not request.keep_session:
-                await self._delete(tenant, session_id)
+                await self._delete(tenant, record.session_id)
 
     async def CreateSession(self, request, context):
         await self._ready(context)
         messages = [{"role": "system", "content": request.system_prompt}] if request.system_prompt else []
-        session_id = await self.store.create(self._tenant(context), messages, request.ttl_seconds)
-        return tandem_pb2.Session(session_id=session_id, committed_tokens=0)
+        record = await self.store.create(self._tenant(context), messages, request.ttl_seconds)
+        return tandem_pb2.Session(session_id=record.session_id, committed_tokens=0)
 
     async def Chat(self, request, context):
         generation = await self._ready(context)

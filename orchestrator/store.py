@@ -51,7 +51,7 @@ class SessionStore:
     async def ping(self) -> None:
         await self.redis.ping()
 
-    async def create(self, tenant: str, messages: list[dict] | None = None, ttl_s: int = 0) -> str:
+    async def create(self, tenant: str, messages: list[dict] | None = None, ttl_s: int = 0) -> SessionRecord:
         session_id = uuid.uuid4().hex
         ttl = ttl_s or self.default_ttl_s
         key = self._key(tenant, session_id)
@@ -63,7 +63,7 @@ class SessionStore:
             pipe.expire(key, ttl)
             pipe.set(f"tandem:owner:{session_id}", tenant, ex=ttl)
             await pipe.execute()
-        return session_id
+        return SessionRecord(session_id=session_id, tenant=tenant, tokens=[], messages=list(messages or []), ttl_s=ttl)
 
     async def _check_owner(self, tenant: str, session_id: str) -> None:
         owner = await self.redis.get(f"tandem:owner:{session_id}")

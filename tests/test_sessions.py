@@ -120,7 +120,7 @@ def test_a_request_takes_the_session_as_the_previous_request_left_it():
     async def scenario():
         store = SessionStore(REDIS_URL)
         try:
-            session = await store.create("t-refresh")
+            session = (await store.create("t-refresh")).session_id
             await store.append_tokens(await store.load("t-refresh", session), [5, 6, 7])
             waiting = await store.load("t-refresh", session)  # loaded, then waits for the lock
             holder = await store.load("t-refresh", session)
