@@ -7,12 +7,12 @@ from dataclasses import dataclass, replace
 
 from draft_service.cheap import ReducedHead, frequent_token_ids, quantize_int8
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
-from tandem import serving, telemetry
+from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import pack_linears
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
 from tandem.modeling import ModelConfig, ModelRunner, load, load_identity
 from tandem.session_cache import NullKV, SessionCacheStore
-from tandem.v1 import draft_pb2, draft_pb2_grpc
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tandem.wire import encode_distribution, sampling_from_proto
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,11 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             return_dists=request.return_distributions,
             first_is_bonus_guess=request.first_is_bonus_guess,
         )
+
+    async def ProposeStream(self, calls, context):
+        """Propose calls multiplexed on one stream (tandem.multiplex)."""
+        async for result in multiplex.serve_calls(calls, self.Propose, draft_pb2.ProposeResult, common_pb2.CallError):
+            yield result
 
     async def Propose(self, request, context):
         with telemetry.server_span(f"{SERVICE_NAME}/Propose", context) as span:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import grpc
 
-from tandem import serving, telemetry
+from tandem import multiplex, serving, telemetry
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import sampling_to_proto
@@ -88,12 +88,31 @@ def _translate(err: grpc.aio.AioRpcError) -> Exception:
     return err
 
 
+TRANSPORTS = ("stream", "unary")
+
+
 class _GrpcClient:
-    def __init__(self, address: str, stub_class, timeout_s: float):
+    """transport "stream" sends the model calls (Propose, Verify) on one
+    long-lived stream per client (tandem.multiplex), "unary" as one rpc each."""
+
+    def __init__(self, address: str, stub_class, timeout_s: float, transport: str, method: str, call_type):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.address = address
         self.channel = serving.insecure_channel(address)
         self.stub = stub_class(self.channel)
         self.timeout_s = timeout_s
+        self.unary = getattr(self.stub, method)
+        self.calls = (multiplex.CallStream(getattr(self.stub, method + "Stream"), call_type, method)
+                      if transport == "stream" else None)
+
+    async def _call(self, request):
+        """The model call, translated: ServiceCacheMiss, ServiceUnavailable, or the rpc error."""
+        try:
+            return await multiplex.call_with(self.calls, self.unary, request, self.timeout_s,
+                                             telemetry.outgoing_metadata())
+        except grpc.aio.AioRpcError as err:
+            raise _translate(err) from None
 
     async def release(self, session_id: str) -> None:
         try:
@@ -113,12 +132,15 @@ class _GrpcClient:
         return await self.stub.GetStats(common_pb2.GetStatsRequest(), timeout=self.timeout_s)
 
     async def close(self) -> None:
+        if self.calls is not None:
+            await self.calls.close()
         await self.channel.close()
 
 
 class GrpcProposer(_GrpcClient):
-    def __init__(self, address: str, timeout_s: float = 120.0):
-        super().__init__(address, draft_pb2_grpc.DraftServiceStub, timeout_s)
+    def __init__(self, address: str, timeout_s: float = 120.0, transport: str = "stream"):
+        super().__init__(address, draft_pb2_grpc.DraftServiceStub, timeout_s, transport, "Propose",
+                         draft_pb2.ProposeCall)
 
     async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False):
         request = draft_pb2.ProposeRequest(
@@ -131,10 +153,7 @@ class GrpcProposer(_GrpcClient):
             first_is_bonus_guess=bonus_guess,
         )
         start = time.perf_counter()
-        try:
-            reply = await self.stub.Propose(request, timeout=self.timeout_s, metadata=telemetry.outgoing_metadata())
-        except grpc.aio.AioRpcError as err:
-            raise _translate(err) from None
+        reply = await self._call(request)
         return DraftBlock(
             tokens=list(reply.tokens),
             token_probs=list(reply.token_probs),
@@ -147,8 +166,9 @@ class GrpcProposer(_GrpcClient):
 
 
 class GrpcVerifier(_GrpcClient):
-    def __init__(self, address: str, timeout_s: float = 120.0):
-        super().__init__(address, target_pb2_grpc.TargetServiceStub, timeout_s)
+    def __init__(self, address: str, timeout_s: float = 120.0, transport: str = "stream"):
+        super().__init__(address, target_pb2_grpc.TargetServiceStub, timeout_s, transport, "Verify",
+                         target_pb2.VerifyCall)
 
     async def verify(self, session_id, prefix, new_tokens, block, sampling):
         request = target_pb2.VerifyRequest(
@@ -161,10 +181,7 @@ class GrpcVerifier(_GrpcClient):
             sampling=sampling_to_proto(sampling),
         )
         start = time.perf_counter()
-        try:
-            reply = await self.stub.Verify(request, timeout=self.timeout_s, metadata=telemetry.outgoing_metadata())
-        except grpc.aio.AioRpcError as err:
-            raise _translate(err) from None
+        reply = await self._call(request)
         return VerifyResult(
             accepted=reply.accepted,
             next_token=reply.next_token,

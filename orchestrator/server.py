@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from orchestrator.backends import GrpcProposer, GrpcVerifier, ServiceUnavailable
+from orchestrator.backends import TRANSPORTS, GrpcProposer, GrpcVerifier, ServiceUnavailable
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
 from orchestrator.policy import KPolicyConfig
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
@@ -35,10 +35,13 @@ class OrchestratorConfig:
     default_max_tokens: int = 128
     session_ttl_s: int = 3600
     service_timeout_s: float = 120.0
+    service_transport: str = "stream"  # model calls on one stream per service, or "unary" rpcs
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
             raise ValueError("default_max_tokens and session_ttl_s must be >= 1")
+        if self.service_transport not in TRANSPORTS:
+            raise ValueError(f"service_transport must be one of {TRANSPORTS}, got {self.service_transport!r}")
 
 
 class PairingError(RuntimeError):
@@ -48,8 +51,8 @@ class PairingError(RuntimeError):
 class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
     def __init__(self, config: OrchestratorConfig):
         self.config = config
-        self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s)
-        self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s)
+        self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s, config.service_transport)
+        self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s, config.service_transport)
         self.store = SessionStore(config.redis_url, config.session_ttl_s)
         self.tokenizer = None
         self.template = ChatTemplate(None)

@@ -5,11 +5,11 @@ import logging
 
 import torch
 
-from tandem import serving, telemetry
+from tandem import multiplex, serving, telemetry
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
 from tandem.modeling import ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
-from tandem.v1 import target_pb2, target_pb2_grpc
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import decode_distribution, sampling_from_proto
 from target_service.verifier import Verifier, VerifyCall
 
@@ -55,6 +55,11 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             draft_dists=draft_dists,
             sampling=sampling,
         )
+
+    async def VerifyStream(self, calls, context):
+        """Verify calls multiplexed on one stream (tandem.multiplex)."""
+        async for result in multiplex.serve_calls(calls, self.Verify, target_pb2.VerifyResult, common_pb2.CallError):
+            yield result
 
     async def Verify(self, request, context):
         with telemetry.server_span(f"{SERVICE_NAME}/Verify", context) as span:

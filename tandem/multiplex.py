@@ -1,0 +1,243 @@
+"""Unary calls multiplexed on one long-lived bidirectional gRPC stream.
+
+Why: a unary rpc in grpc.aio costs about 0.7 ms of CPU on each side, and
+1.7 ms from call to reply when the peer was idle before it (a 2-core EPYC VM,
+between two pinned processes), against 0.3 ms and 0.9 ms for one message each
+way on an open stream. The orchestrator makes one or two model calls per
+round, on the critical path between two verifies, so it sends them on a stream
+(ProposeStream, VerifyStream): each message carries a call_id, and a result
+carries the reply or the error the unary rpc would have ended with.
+
+The service side runs the unary handler itself for every call, with a
+CallContext in place of the rpc's context, so both paths do the same work and
+fail the same way. The caller side (CallStream) gives each call a future,
+opens the stream on first use and again after it breaks, sends a cancel when
+a call is cancelled or times out, and raises what a unary call would have:
+AioRpcError with the call's status code and, for a cache miss, its trailing
+metadata."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from tandem import serving
+
+log = logging.getLogger(__name__)
+
+
+# --- the service side ----------------------------------------------------------
+class CallAborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class CallContext:
+    """What a unary handler uses of grpc.aio.ServicerContext, for one call on a stream."""
+
+    def __init__(self, trace_context):
+        self._metadata = tuple(trace_context.items())
+        self._trailing: tuple = ()
+        self._callbacks: list[Callable] = []
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self._trailing = tuple(metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str = ""):
+        raise CallAborted(code, details)
+
+    def add_done_callback(self, callback: Callable) -> None:
+        self._callbacks.append(callback)
+
+    @property
+    def cache_miss(self) -> bool:
+        return any(key == serving.CACHE_MISS_KEY for key, _ in self._trailing)
+
+    def finish(self) -> None:
+        for callback in self._callbacks:
+            callback(self)
+
+
+async def serve_calls(calls: AsyncIterator, handler: Callable, result_type, error_type) -> AsyncIterator:
+    """Runs handler(call.request, CallContext) for every call read from the
+    stream, concurrently, and yields a result_type for each as it finishes.
+    Ends after the caller half-closes and the calls in flight are answered."""
+    results: asyncio.Queue = asyncio.Queue()
+    running: dict[int, asyncio.Task] = {}
+
+    async def run(call) -> None:
+        context = CallContext(call.trace_context)
+        try:
+            reply = await handler(call.request, context)
+            result = result_type(call_id=call.call_id, reply=reply)
+        except CallAborted as err:
+            result = result_type(call_id=call.call_id, error=error_type(
+                code=err.code.value[0], message=err.details, cache_miss=context.cache_miss))
+        except asyncio.CancelledError:
+            return  # cancelled by the caller, who expects nothing back
+        except Exception as err:  # a bug: the call fails as a unary rpc would, the stream stays up
+            log.exception("call %d failed", call.call_id)
+            result = result_type(call_id=call.call_id, error=error_type(
+                code=grpc.StatusCode.INTERNAL.value[0], message=f"{type(err).__name__}: {err}"))
+        finally:
+            context.finish()
+        results.put_nowait(result)
+
+    async def read() -> None:
+        async for call in calls:
+            if call.cancel:
+                task = running.get(call.call_id)
+                if task is not None:
+                    task.cancel()
+            elif call.call_id in running:
+                results.put_nowait(result_type(call_id=call.call_id, error=error_type(
+                    code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                    message=f"call_id {call.call_id} is already in flight on this stream")))
+            else:
+                task = running[call.call_id] = asyncio.create_task(run(call))
+                task.add_done_callback(lambda _, call_id=call.call_id: running.pop(call_id, None))
+        while running:  # half-closed: answer what is in flight
+            await asyncio.wait(list(running.values()))
+
+    reader = asyncio.create_task(read())
+    reader.add_done_callback(lambda _: results.put_nowait(None))
+    try:
+        while (result := await results.get()) is not None:
+            yield result
+        reader.result()  # a broken stream ends the rpc with its error
+    finally:
+        reader.cancel()
+        for task in list(running.values()):
+            task.cancel()
+
+
+# --- the caller side -------------------------------------------------------------
+class CallStream:
+    """Calls to one service method, multiplexed on one stream of a channel.
+
+    open_stream() opens the bidi rpc; call_type(call_id=, request=, cancel=,
+    trace_context=) builds a stream message."""
+
+    def __init__(self, open_stream: Callable[[], grpc.aio.StreamStreamCall], call_type, method: str):
+        self._open = open_stream
+        self._call_type = call_type
+        self.method = method
+        self._stream: grpc.aio.StreamStreamCall | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._write_lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+
+    async def call(self, request, timeout_s: float, metadata=None):
+        """The reply to `request`; raises grpc.aio.AioRpcError as the unary rpc would."""
+        stream = self._stream if self._stream is not None else self._start()
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._write(stream, self._call_type(
+                    call_id=call_id, request=request, trace_context=dict(metadata or ())))
+                return await future
+        except TimeoutError:
+            self._cancel_remote(stream, call_id)
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.method}: no reply in {timeout_s:g} s") from None
+        except asyncio.CancelledError:
+            if not future.done():
+                self._cancel_remote(stream, call_id)
+            raise
+        finally:
+            self._pending.pop(call_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved: a write that failed raised it already
+
+    def _start(self) -> grpc.aio.StreamStreamCall:
+        stream = self._stream = self._open()
+        reader = asyncio.create_task(self._read(stream))
+        self._background.add(reader)
+        reader.add_done_callback(self._background.discard)
+        return stream
+
+    async def _write(self, stream, message) -> None:
+        async with self._write_lock:
+            try:
+                await stream.write(message)
+            except grpc.aio.AioRpcError as err:
+                raise self._broken(stream, err) from None
+            except grpc.aio.UsageError as err:  # the stream finished meanwhile
+                raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed: {err}") from None
+
+    def _cancel_remote(self, stream, call_id: int) -> None:
+        if stream is not self._stream:
+            return
+        task = asyncio.create_task(self._write(stream, self._call_type(call_id=call_id, cancel=True)))
+        self._background.add(task)
+        task.add_done_callback(lambda t: (self._background.discard(t), t.cancelled() or t.exception()))
+
+    async def _read(self, stream) -> None:
+        try:
+            async for result in stream:
+                future = self._pending.get(result.call_id)
+                if future is None or future.done():
+                    continue  # cancelled or timed out here
+                if result.HasField("error"):
+                    future.set_exception(_call_error(result.error))
+                else:
+                    future.set_result(result.reply)
+            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream ended by the service")
+        except grpc.aio.AioRpcError as err:
+            error = err
+        except asyncio.CancelledError:
+            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed")
+        self._broken(stream, error)
+
+    def _broken(self, stream, error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+        """Fails the calls in flight on a stream that broke; the next call opens
+        a new one. Returns the error they fail with."""
+        if error.code() == grpc.StatusCode.CANCELLED:  # e.g. the service stopped after its grace period
+            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream: {error.details()}")
+        if stream is not self._stream:
+            return error
+        self._stream = None
+        log.info("%s stream broke (%s: %s); %d calls in flight fail", self.method, error.code().name,
+                 error.details(), len(self._pending))
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        stream.cancel()
+        return error
+
+    async def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _rpc_error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+def _call_error(error) -> grpc.aio.AioRpcError:
+    code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    trailing = ((serving.CACHE_MISS_KEY, "1"),) if error.cache_miss else ()
+    return _rpc_error(code, error.message, trailing)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+async def call_with(stream: CallStream | None, unary: Callable[..., Awaitable], request, timeout_s: float, metadata):
+    """request on the stream, or as a unary rpc when there is none."""
+    if stream is None:
+        return await unary(request, timeout=timeout_s, metadata=metadata)
+    return await stream.call(request, timeout_s, metadata)

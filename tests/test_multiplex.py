@@ -1,0 +1,194 @@
+"""Model calls multiplexed on one stream (tandem.multiplex): the same replies
+and the same errors as the unary rpcs, concurrent calls kept apart, clean
+cancellation, and a new stream after the service comes back."""
+import asyncio
+
+import grpc
+import pytest
+
+from orchestrator.backends import DraftBlock, GrpcProposer, GrpcVerifier, Prefix, ServiceCacheMiss, ServiceUnavailable
+from tandem import fingerprint, multiplex, serving
+from tandem.model_service import CacheConfig
+from tandem.modeling import ModelConfig
+from tandem.sampling import SamplingParams
+from tandem.v1 import common_pb2, draft_pb2
+from tests.conftest import Cluster
+
+GREEDY = SamplingParams()
+
+
+def _prefix(tokens) -> Prefix:
+    return Prefix(len(tokens), fingerprint.prefix_table(tokens)[-1] if tokens else fingerprint.EMPTY)
+
+
+def _outcome(coro_fn):
+    """('ok', value) or the exception's type and gRPC code, for comparing transports."""
+    async def run():
+        try:
+            return "ok", await coro_fn()
+        except grpc.aio.AioRpcError as err:
+            return type(err).__name__, err.code()
+        except (ServiceCacheMiss, ServiceUnavailable) as err:
+            return type(err).__name__, None
+    return run
+
+
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+def test_stream_calls_reply_and_fail_as_unary_calls(random_cluster, transport):
+    async def run():
+        proposer = GrpcProposer(random_cluster.draft_address, transport=transport)
+        verifier = GrpcVerifier(random_cluster.target_address, transport=transport)
+        session = f"mux-errors-{transport}"
+        try:
+            outcomes = []
+            bad = [
+                lambda: proposer.propose(session, Prefix(0, 0), [1, 2, 3], 0, GREEDY),  # k = 0
+                lambda: proposer.propose(session, Prefix(0, 0), [1, 999], 2, GREEDY),  # outside the vocabulary
+                lambda: proposer.propose("never-seen", Prefix(3, 9), [1], 2, GREEDY),  # a cache miss
+                lambda: verifier.verify(session, Prefix(0, 0), [1] * 600, DraftBlock([2]), GREEDY),  # past the context
+                lambda: verifier.verify("never-seen", Prefix(5, 1), [1], DraftBlock([2]), GREEDY),
+            ]
+            for call in bad:
+                outcomes.append(await _outcome(call)())
+            # the same stream still serves, and replies are right
+            block = await proposer.propose(session, Prefix(0, 0), [5, 6, 7], 3, GREEDY)
+            result = await verifier.verify(session, Prefix(0, 0), [5, 6, 7], block, GREEDY)
+            return outcomes, block.tokens, (result.accepted, result.next_token)
+        finally:
+            await asyncio.gather(proposer.release(session), verifier.release(session))
+            await asyncio.gather(proposer.close(), verifier.close())
+
+    outcomes, tokens, verdict = asyncio.run(run())
+    invalid = ("AioRpcError", grpc.StatusCode.INVALID_ARGUMENT)
+    miss = ("ServiceCacheMiss", None)
+    assert outcomes == [invalid, invalid, miss, invalid, miss]
+    assert len(tokens) == 3
+    assert 0 <= verdict[0] <= 3
+
+
+def test_concurrent_stream_calls_get_their_own_replies(random_cluster):
+    """Sixteen sessions at once on one stream each get what a unary call gives."""
+    prompts = [[(7 * i + j) % 120 + 1 for j in range(5 + i % 4)] for i in range(16)]
+
+    async def run():
+        stream = GrpcProposer(random_cluster.draft_address, transport="stream")
+        unary = GrpcProposer(random_cluster.draft_address, transport="unary")
+        try:
+            streamed = await asyncio.gather(*(stream.propose(f"mux-s{i}", Prefix(0, 0), p, 4, GREEDY)
+                                              for i, p in enumerate(prompts)))
+            alone = [await unary.propose(f"mux-u{i}", Prefix(0, 0), p, 4, GREEDY) for i, p in enumerate(prompts)]
+            # A second call on each session continues from what the first left.
+            follow = await asyncio.gather(*(
+                stream.propose(f"mux-s{i}", _prefix(p + b.tokens[:-1]), b.tokens[-1:], 2, GREEDY)
+                for i, (p, b) in enumerate(zip(prompts, streamed))))
+            for i in range(len(prompts)):
+                await stream.release(f"mux-s{i}")
+                await unary.release(f"mux-u{i}")
+            return [b.tokens for b in streamed], [b.tokens for b in alone], follow
+        finally:
+            await asyncio.gather(stream.close(), unary.close())
+
+    streamed, alone, follow = asyncio.run(run())
+    assert streamed == alone
+    assert all(block.prefilled == 1 and len(block.tokens) == 2 for block in follow)
+
+
+# --- the stream logic, with a handler in place of a model service ------------------
+class _Handler:
+    def __init__(self):
+        self.cancelled = []
+        self.started = asyncio.Event()
+
+    async def __call__(self, request, context):
+        if request.session_id == "wait":
+            self.started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled.append(request.session_id)
+                raise
+        if request.session_id == "miss":
+            await serving.abort_cache_miss(context, RuntimeError("prefix not held"))
+        if request.session_id == "bug":
+            raise KeyError("oops")
+        assert dict(context.invocation_metadata()) == {"traceparent": "00-abc"}
+        return draft_pb2.ProposeReply(tokens=[len(request.new_tokens)])
+
+
+def test_serve_calls_cancels_answers_and_drains():
+    async def run():
+        handler = _Handler()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def calls():
+            while (message := await inbox.get()) is not None:
+                yield message
+
+        def call(call_id, session, cancel=False):
+            request = draft_pb2.ProposeRequest(session_id=session, new_tokens=[1] * call_id)
+            return draft_pb2.ProposeCall(call_id=call_id, request=None if cancel else request, cancel=cancel,
+                                         trace_context={"traceparent": "00-abc"})
+
+        results = multiplex.serve_calls(calls(), handler, draft_pb2.ProposeResult, common_pb2.CallError)
+        inbox.put_nowait(call(1, "wait"))
+        first = asyncio.ensure_future(results.__anext__())  # the generator starts reading
+        await handler.started.wait()
+        for message in (call(2, "ok"), call(3, "miss"), call(4, "bug"), call(1, "", cancel=True),
+                        call(9, "", cancel=True), call(5, "ok")):
+            inbox.put_nowait(message)
+        got = [await first] + [await results.__anext__() for _ in range(3)]
+        inbox.put_nowait(None)  # half-close: the generator ends
+        rest = [r async for r in results]
+        return handler, {r.call_id: r for r in got}, rest
+
+    handler, got, rest = asyncio.run(run())
+    assert handler.cancelled == ["wait"] and rest == []
+    assert sorted(got) == [2, 3, 4, 5]  # nothing for the cancelled call
+    assert list(got[2].reply.tokens) == [2] and list(got[5].reply.tokens) == [5]
+    assert got[3].error.cache_miss and got[3].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert got[4].error.code == grpc.StatusCode.INTERNAL.value[0] and "oops" in got[4].error.message
+    assert multiplex._call_error(got[3].error).code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert serving.is_cache_miss(multiplex._call_error(got[3].error))
+
+
+def test_generation_survives_a_draft_service_restart(tiny_models):
+    """The draft service goes away: a chat turn fails with UNAVAILABLE and the
+    session keeps its committed tokens (and the turn's message). It comes back
+    on the same address: the orchestrator opens a new stream and the next turn
+    is exact."""
+    from draft_service.server import DraftOptions, build_server as build_draft
+    from tests.conftest import reference_greedy
+
+    cluster = Cluster(tiny_models["target"], tiny_models["other"])
+    prompt = [3, 1, 4, 1, 5]
+    try:
+        with cluster.client() as client:
+            session = client.create_session()
+            first = client.chat(session, message_ids=prompt, max_tokens=6)
+            old_draft = cluster.servers[1]
+            cluster.run(old_draft.stop(0))
+            with pytest.raises(grpc.RpcError) as info:
+                client.chat(session, message_ids=[9], max_tokens=6)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            record = cluster.run(cluster.orchestrator.store.load("default", session))
+            assert record.tokens == prompt + first.token_ids + [9]  # nothing committed is lost, the turn's message kept
+
+            async def restart():
+                server, _, _, _ = build_draft(cluster.draft_address, ModelConfig(tiny_models["other"], dtype="float32"),
+                                              CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions())
+                await server.start()
+                return server
+
+            cluster.servers[1] = cluster.run(restart())
+
+            async def reconnected():  # the orchestrator's channel retries with backoff; calls fail fast meanwhile
+                channel = cluster.orchestrator.proposer.channel
+                while (state := channel.get_state(try_to_connect=True)) != grpc.ChannelConnectivity.READY:
+                    await asyncio.wait_for(channel.wait_for_state_change(state), 30)
+
+            cluster.run(reconnected())
+            second = client.chat(session, message_ids=[8], max_tokens=6)
+            history = prompt + first.token_ids + [9, 8]
+            assert second.token_ids == reference_greedy(tiny_models["target"], history, 6)
+    finally:
+        cluster.stop()
