@@ -47,6 +47,7 @@ class ModeResult:
     mean_k: float | None = None
     predraft_hit_rate: float | None = None
     overhead_ms_per_round_p50: float | None = None
+    handover_ms_per_round_p50: float | None = None  # Redis commit + stream write, off the critical path
     verify_ms_p50: float | None = None  # the target's compute per verify (median over prompts of per-prompt medians)
     draft_step_ms_p50: float | None = None
     ceiling_tok_s: float | None = None  # tokens/round over verify time: if drafting and overhead cost nothing
@@ -123,7 +124,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     result = ModeResult()
     rounds = rejected = accepted = hits = attempts = 0
     k_sum = 0.0
-    overheads, verifies, steps = [], [], []
+    overheads, handovers, verifies, steps = [], [], [], []
     per_position: list[int] = []
     tried: list[int] = []
     with TandemClient(address, timeout_s=3600) as client:
@@ -142,6 +143,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
             attempts += s.predraft_attempts
             k_sum += s.mean_k * s.rounds
             overheads.append(s.overhead_ms_p50)
+            handovers.append(s.handover_ms_p50)
             if s.verify_ms_p50:
                 verifies.append(s.verify_ms_p50)
             if s.draft_step_ms_p50:
@@ -162,6 +164,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     result.theory_tokens_per_round = expected_tokens_per_round(alpha, round(result.mean_k)) if rounds else 0.0
     result.predraft_hit_rate = hits / attempts if attempts else None
     result.overhead_ms_per_round_p50 = median(overheads)
+    result.handover_ms_per_round_p50 = median(handovers)
     result.verify_ms_p50 = median(verifies)
     result.draft_step_ms_p50 = median(steps)
     if result.verify_ms_p50 and rounds:
@@ -191,7 +194,7 @@ def write(path: Path, payload: dict) -> None:
 
 
 def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
-    lines = [f"{'mode':<34}{'tok/s':>8}{'vs base':>9}{'α':>7}{'tok/rnd':>9}{'τ(α,k)':>8}{'k':>6}{'hit':>6}{'ovh ms':>8}"
+    lines = [f"{'mode':<34}{'tok/s':>8}{'vs base':>9}{'α':>7}{'tok/rnd':>9}{'τ(α,k)':>8}{'k':>6}{'hit':>6}{'ovh ms':>8}{'hand':>6}"
              f"{'verify':>8}{'step':>6}{'ceil':>7}{'same':>7}"]
 
     def fmt(value, spec):
@@ -201,7 +204,7 @@ def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
         lines.append(
             f"{name:<34}{r.tok_s:>8.2f}{r.tok_s / baseline.tok_s:>8.2f}x{fmt(r.acceptance_rate, '7.2f')}"
             f"{fmt(r.tokens_per_round, '9.2f')}{fmt(r.theory_tokens_per_round, '8.2f')}{fmt(r.mean_k, '6.1f')}"
-            f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}"
+            f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}{fmt(r.handover_ms_per_round_p50, '6.1f')}"
             f"{fmt(r.verify_ms_p50, '8.0f')}{fmt(r.draft_step_ms_p50, '6.0f')}{fmt(r.ceiling_tok_s, '7.2f')}"
             f"{r.identical:>5}/{r.prompts}"
         )

@@ -183,7 +183,9 @@ def main(argv=None) -> int:
     print("\n" + table(list(modes.items()), baseline))
     print("identical: prompts equal to the target alone in", args.dtype, "(mode a_target_one_core)")
     print("verify, step: the services' median compute per verify and per draft step, ms; ceil: tokens/round "
-          "over the verify time, the tok/s if drafting and overhead cost nothing")
+          "over the verify time, the tok/s if drafting and overhead cost nothing; ovh ms: the orchestrator's "
+          "overhead per round on the critical path; hand: its Redis commit and stream write per round, which "
+          "overlap the next round's calls")
     ms_per_token = 1e3 / baseline.tok_s
     if sequential.verify_ms_p50:
         print(f"a verify of {sequential.mean_k:.0f}+1 tokens (b) costs {sequential.verify_ms_p50 / ms_per_token:.2f} "
@@ -201,6 +203,7 @@ def main(argv=None) -> int:
         "sequential_theory_tokens_per_round": sequential.theory_tokens_per_round,
         "predraft_hit_rate": adaptive.predraft_hit_rate,
         "overhead_ms_per_round_p50": adaptive.overhead_ms_per_round_p50,
+        "handover_ms_per_round_p50": adaptive.handover_ms_per_round_p50,
         "target_alone_ms_per_token": ms_per_token,
         "sequential_verify_ms_p50": sequential.verify_ms_p50,
         "sequential_verify_in_target_tokens": sequential.verify_ms_p50 / ms_per_token if sequential.verify_ms_p50 else None,

@@ -36,6 +36,7 @@ class RoundStats:
     predraft_hits: int = 0
     predraft_attempts: int = 0
     overhead_ms: list[float] = field(default_factory=list)
+    handover_ms: list[float] = field(default_factory=list)  # the caller's commit and stream write, per round
     verify_ms: list[float] = field(default_factory=list)  # verifies of a block with at most one prefilled token
     draft_step_ms: list[float] = field(default_factory=list)
     tokens_per_round: list[int] = field(default_factory=list)  # committed by each round
@@ -240,61 +241,68 @@ class Decoder:
     async def rounds(self) -> AsyncIterator[list[int]]:
         """Yields the tokens committed by each round, forever; the caller stops.
 
-        The next round's calls are launched before the tokens are handed over,
-        so the caller's commit to Redis and its stream write overlap model work.
-        overhead_ms of a round: the wall time from one verify launch to the next,
-        minus the services' compute on the critical path."""
+        The next round's calls go out before the tokens are handed over, so the
+        caller's commit to Redis and its stream write overlap model work
+        (handover_ms). overhead_ms of a round: the wall time from one verify's
+        launch to the next, less the services' compute on that path (the
+        verify's, and the draft's while the orchestrator waited for it)."""
         tasks: list[asyncio.Task | None] = []
         span = self._open_round(predrafted=False)
         try:
             block = await self._draft(self.policy.k, span)
-            waited_ms = block.compute_ms
-            round_start = time.perf_counter()
             verify_task, pre_task = self._launch(block, span)
             tasks = [verify_task, pre_task]
+            launched = time.perf_counter()
             while True:
                 result = await verify_task
                 verified_k = len(block.tokens)
-                waited_ms += result.compute_ms
+                waited_ms = result.compute_ms
                 newly = self._commit(block, result)
                 next_block = None
                 if pre_task is not None:
                     wait_start = time.perf_counter()
                     next_block = await self._take_predraft(pre_task, block, result)
-                    waited_ms += (time.perf_counter() - wait_start) * 1e3
+                    waited_ms += _compute_waited(pre_task, (time.perf_counter() - wait_start) * 1e3)
                 self._close_round(span, block, result)
                 span = self._open_round(predrafted=next_block is not None)
                 if next_block is not None:
                     block, prefetch = next_block, None
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
+                    launched = self._launched(launched, waited_ms, result, verified_k, "pre-drafted")
+                    await asyncio.sleep(0)  # the calls go out before the caller's work
                 else:
                     prefetch = asyncio.create_task(self._draft(self.policy.k, span))
                     tasks = [prefetch]
+                handover_start = time.perf_counter()
                 yield newly
+                self.stats.handover_ms.append((time.perf_counter() - handover_start) * 1e3)
                 if prefetch is not None:
                     wait_start = time.perf_counter()
                     block = await prefetch
                     # the draft's compute is on the critical path only while we wait for it
-                    waited_ms_draft = min(block.compute_ms, (time.perf_counter() - wait_start) * 1e3)
+                    waited_ms += min(block.compute_ms, (time.perf_counter() - wait_start) * 1e3)
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
-                else:
-                    waited_ms_draft = 0.0
-                now = time.perf_counter()
-                self.stats.overhead_ms.append((now - round_start) * 1e3 - waited_ms - waited_ms_draft)
-                log.debug("round %d: k %d, accepted %d, alpha %.2f, next k %d / ahead %d, verify %.0f ms "
-                          "(rpc %.1f ms), waited for the draft %.0f ms, wall %.0f ms, next block %s",
-                          self.stats.rounds, verified_k, result.accepted, self.policy.alpha or 0.0, self.policy.k,
-                          self.policy.k_ahead, result.compute_ms, result.latency_ms - result.compute_ms,
-                          waited_ms_draft, (now - round_start) * 1e3,
-                          "pre-drafted" if prefetch is None else "drafted after")
-                round_start, waited_ms = now, 0.0
+                    launched = self._launched(launched, waited_ms, result, verified_k, "drafted after")
         finally:
             for task in tasks:
                 if task is not None and not task.done():
                     await _cancel(task)
             span.end()  # the round launched when the caller stopped, its calls cancelled
+
+    def _launched(self, previous: float, waited_ms: float, result: VerifyResult, verified_k: int, how: str) -> float:
+        """Records the overhead of the round whose verify was launched at
+        `previous`, now that the next verify is launched; returns now."""
+        now = time.perf_counter()
+        wall_ms = (now - previous) * 1e3
+        self.stats.overhead_ms.append(wall_ms - waited_ms)
+        log.debug("round %d: k %d, accepted %d, alpha %.2f, next k %d / ahead %d, verify %.0f ms (rpc %.1f ms), "
+                  "waited %.0f ms, overhead %.2f ms, wall %.0f ms, next block %s",
+                  self.stats.rounds, verified_k, result.accepted, self.policy.alpha or 0.0, self.policy.k,
+                  self.policy.k_ahead, result.compute_ms, result.latency_ms - result.compute_ms, waited_ms,
+                  wall_ms - waited_ms, wall_ms, how)
+        return now
 
     async def _take_predraft(self, task: asyncio.Task, block: DraftBlock, result: VerifyResult) -> DraftBlock | None:
         """The pre-drafted block if the target took all of `block` and its bonus
@@ -313,6 +321,15 @@ class Decoder:
             return pre.drop_first()
         self.draft_view = ServiceView(len(self.committed) - 1)
         return None
+
+
+def _compute_waited(pre_task: asyncio.Task, wait_ms: float) -> float:
+    """Of a wait for a pre-draft, the part spent on its compute: the rest,
+    its reply's way back, is overhead."""
+    pre = None if pre_task.cancelled() else pre_task.result()
+    if pre is None:  # cancelled, or a cache miss: no compute to wait for
+        return 0.0
+    return max(0.0, wait_ms - (pre.latency_ms - pre.compute_ms))
 
 
 async def _cancel(task: asyncio.Task) -> None:

@@ -151,6 +151,7 @@ class Generation:
                 total_ms=(time.perf_counter() - started) * 1e3,
                 first_token_ms=first_token_ms,
                 overhead_ms_p50=_median(stats.overhead_ms),
+                handover_ms_p50=_median(stats.handover_ms),
                 verify_ms_p50=_median(stats.verify_ms),
                 draft_step_ms_p50=_median(stats.draft_step_ms),
             ),
