@@ -115,7 +115,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
 
     async def ProposeStream(self, calls, context):
         """Propose calls multiplexed on one stream (tandem.multiplex)."""
-        async for result in multiplex.serve_calls(calls, self.Propose, draft_pb2.ProposeResult, common_pb2.CallError):
+        async for result in multiplex.serve_calls(calls, self.Propose, draft_pb2.ProposeResult, common_pb2.CallError,
+                                                  self.draining):
             yield result
 
     async def Propose(self, request, context):

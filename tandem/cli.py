@@ -162,6 +162,7 @@ def _serve(args) -> None:
             server, port, health, servicer = build_server(address, config)
             await servicer.connect(wait_s=args.wait)
             name = "tandem.v1.Tandem"
+            draining = None
         else:
             model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                                 linear=args.linear)
@@ -169,18 +170,19 @@ def _serve(args) -> None:
             if args.role == "target":
                 from target_service.server import SERVICE_NAME as name, build_server
 
-                server, port, health, _ = build_server(address, model, cache)
+                server, port, health, servicer = build_server(address, model, cache)
             else:
                 from draft_service.server import SERVICE_NAME as name, DraftOptions, build_server
 
                 options = DraftOptions(backend=args.backend, vocab_subset=args.vocab_subset, ngram_max=args.ngram_max,
                                        quantize=args.quantize, min_confidence=args.min_confidence)
-                server, port, health, _ = build_server(address, model, cache, options)
+                server, port, health, servicer = build_server(address, model, cache, options)
+            draining = servicer.draining
         await server.start()
         await serving.set_serving(health, [name], True)
         logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
         print(f"READY {args.role} {args.host}:{port}", flush=True)
-        await serving.run_until_signalled(server, health, [name])
+        await serving.run_until_signalled(server, health, [name], draining=draining)
 
     try:
         asyncio.run(run())

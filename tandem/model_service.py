@@ -3,6 +3,7 @@ session cache store, the model worker, request checks and the shared rpcs
 (GetModelInfo, ReleaseSession, GetStats)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class ModelServiceBase:
         self.worker = serving.ModelWorker(worker_name)
         self.prefill_tokens = 0
         self.calls = 0
+        self.draining = asyncio.Event()  # set on SIGTERM: streams end once their calls are answered
         telemetry.watch_service(self)
 
     # --- checks ---------------------------------------------------------------

@@ -65,10 +65,13 @@ class CallContext:
             callback(self)
 
 
-async def serve_calls(calls: AsyncIterator, handler: Callable, result_type, error_type) -> AsyncIterator:
+async def serve_calls(calls: AsyncIterator, handler: Callable, result_type, error_type,
+                      draining: asyncio.Event | None = None) -> AsyncIterator:
     """Runs handler(call.request, CallContext) for every call read from the
     stream, concurrently, and yields a result_type for each as it finishes.
-    Ends after the caller half-closes and the calls in flight are answered."""
+    Ends after the caller half-closes, or `draining` is set (the service is
+    stopping), and the calls in flight are answered; the caller's next call
+    then opens a new stream, to another replica or to an UNAVAILABLE."""
     results: asyncio.Queue = asyncio.Queue()
     running: dict[int, asyncio.Task] = {}
 
@@ -106,14 +109,24 @@ async def serve_calls(calls: AsyncIterator, handler: Callable, result_type, erro
         while running:  # half-closed: answer what is in flight
             await asyncio.wait(list(running.values()))
 
+    async def drain() -> None:
+        await draining.wait()
+        while running:
+            await asyncio.wait(list(running.values()))
+        results.put_nowait(None)
+
     reader = asyncio.create_task(read())
     reader.add_done_callback(lambda _: results.put_nowait(None))
+    drainer = asyncio.create_task(drain()) if draining is not None else None
     try:
         while (result := await results.get()) is not None:
             yield result
-        reader.result()  # a broken stream ends the rpc with its error
+        if reader.done():
+            reader.result()  # a broken stream ends the rpc with its error
     finally:
         reader.cancel()
+        if drainer is not None:
+            drainer.cancel()
         for task in list(running.values()):
             task.cancel()
 

@@ -52,8 +52,11 @@ async def set_serving(health_servicer, names: Iterable[str], serving: bool) -> N
         await health_servicer.set(name, status)
 
 
-async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: list[str], grace_s: float = 10.0):
-    """Serves until SIGTERM or SIGINT, then drains: NOT_SERVING, finish in-flight calls, stop."""
+async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: list[str], grace_s: float = 10.0,
+                              draining: asyncio.Event | None = None):
+    """Serves until SIGTERM or SIGINT, then drains: NOT_SERVING, set `draining`
+    (long-lived streams end once their calls are answered), finish in-flight
+    calls, stop."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -61,6 +64,8 @@ async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: l
     await stop.wait()
     log.info("draining (grace %.0fs)", grace_s)
     await set_serving(health_servicer, names, False)
+    if draining is not None:
+        draining.set()
     await server.stop(grace_s)
 
 

@@ -58,7 +58,8 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
 
     async def VerifyStream(self, calls, context):
         """Verify calls multiplexed on one stream (tandem.multiplex)."""
-        async for result in multiplex.serve_calls(calls, self.Verify, target_pb2.VerifyResult, common_pb2.CallError):
+        async for result in multiplex.serve_calls(calls, self.Verify, target_pb2.VerifyResult, common_pb2.CallError,
+                                                  self.draining):
             yield result
 
     async def Verify(self, request, context):

@@ -192,3 +192,30 @@ def test_generation_survives_a_draft_service_restart(tiny_models):
             assert second.token_ids == reference_greedy(tiny_models["target"], history, 6)
     finally:
         cluster.stop()
+
+
+def test_a_stopping_service_ends_its_streams_once_idle(tiny_models):
+    """On SIGTERM a model service sets `draining`: an open stream ends when its
+    calls are answered, so the server stops without waiting out its grace
+    period, and the caller's next call fails with UNAVAILABLE."""
+    from draft_service.server import DraftOptions, build_server as build_draft
+
+    async def run():
+        server, port, _, servicer = build_draft("127.0.0.1:0", ModelConfig(tiny_models["other"], dtype="float32"),
+                                                CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions())
+        await server.start()
+        proposer = GrpcProposer(f"127.0.0.1:{port}", transport="stream")
+        try:
+            block = await proposer.propose("drain", Prefix(0, 0), [1, 2, 3], 3, GREEDY)
+            servicer.draining.set()
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await server.stop(30)
+            stopped_s = loop.time() - start
+            with pytest.raises(ServiceUnavailable):
+                await proposer.propose("drain", _prefix([1, 2, 3] + block.tokens[:-1]), block.tokens[-1:], 2, GREEDY)
+            return stopped_s
+        finally:
+            await proposer.close()
+
+    assert asyncio.run(run()) < 10  # not the 30 s grace
