@@ -108,9 +108,11 @@ class _GrpcClient:
 
     async def _call(self, request):
         """The model call, translated: ServiceCacheMiss, ServiceUnavailable, or the rpc error."""
+        metadata = telemetry.outgoing_metadata()
         try:
-            return await multiplex.call_with(self.calls, self.unary, request, self.timeout_s,
-                                             telemetry.outgoing_metadata())
+            if self.calls is None:
+                return await self.unary(request, timeout=self.timeout_s, metadata=metadata)
+            return await self.calls.call(request, self.timeout_s, metadata)
         except grpc.aio.AioRpcError as err:
             raise _translate(err) from None
 

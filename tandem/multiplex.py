@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -58,7 +58,7 @@ class CallContext:
 
     @property
     def cache_miss(self) -> bool:
-        return any(key == serving.CACHE_MISS_KEY for key, _ in self._trailing)
+        return serving.marks_cache_miss(self._trailing)
 
     def finish(self) -> None:
         for callback in self._callbacks:
@@ -106,13 +106,15 @@ async def serve_calls(calls: AsyncIterator, handler: Callable, result_type, erro
             else:
                 task = running[call.call_id] = asyncio.create_task(run(call))
                 task.add_done_callback(lambda _, call_id=call.call_id: running.pop(call_id, None))
-        while running:  # half-closed: answer what is in flight
+        await settled()  # half-closed: answer what is in flight
+
+    async def settled() -> None:
+        while running:
             await asyncio.wait(list(running.values()))
 
     async def drain() -> None:
         await draining.wait()
-        while running:
-            await asyncio.wait(list(running.values()))
+        await settled()
         results.put_nowait(None)
 
     reader = asyncio.create_task(read())
@@ -249,8 +251,3 @@ def _call_error(error) -> grpc.aio.AioRpcError:
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-async def call_with(stream: CallStream | None, unary: Callable[..., Awaitable], request, timeout_s: float, metadata):
-    """request on the stream, or as a unary rpc when there is none."""
-    if stream is None:
-        return await unary(request, timeout=timeout_s, metadata=metadata)
-    return await stream.call(request, timeout_s, metadata)

@@ -108,7 +108,9 @@ async def abort_cache_miss(context: grpc.aio.ServicerContext, miss: Exception):
     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(miss))
 
 
+def marks_cache_miss(trailing_metadata) -> bool:
+    return any(key == CACHE_MISS_KEY for key, _ in (trailing_metadata or ()))
+
+
 def is_cache_miss(err: grpc.aio.AioRpcError) -> bool:
-    if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
-        return False
-    return any(key == CACHE_MISS_KEY for key, _ in (err.trailing_metadata() or ()))
+    return err.code() == grpc.StatusCode.FAILED_PRECONDITION and marks_cache_miss(err.trailing_metadata())
