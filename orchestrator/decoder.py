@@ -258,10 +258,15 @@ class Decoder:
                 verified_k = len(block.tokens)
                 waited_ms = result.compute_ms
                 newly = self._commit(block, result)
-                next_block = None
-                if pre_task is not None:
+                next_block = dropped = None
+                if pre_task is not None and result.accepted < verified_k:
+                    # The pre-draft assumed all of `block` accepted. The draft crops it
+                    # on its next call; the task is awaited once that call is out.
+                    pre_task.cancel()
+                    dropped = pre_task
+                elif pre_task is not None:
                     wait_start = time.perf_counter()
-                    next_block = await self._take_predraft(pre_task, block, result)
+                    next_block = await self._take_predraft(pre_task, result)
                     waited_ms += _compute_waited(pre_task, (time.perf_counter() - wait_start) * 1e3)
                 self._close_round(span, block, result)
                 span = self._open_round(predrafted=next_block is not None)
@@ -270,18 +275,21 @@ class Decoder:
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
                     launched = self._launched(launched, waited_ms, result, verified_k, "pre-drafted")
-                    await asyncio.sleep(0)  # the calls go out before the caller's work
                 else:
                     prefetch = asyncio.create_task(self._draft(self.policy.k, span))
-                    tasks = [prefetch]
+                    tasks = [prefetch, dropped]
+                await asyncio.sleep(0)  # the calls go out before the caller's work
+                if dropped is not None:
+                    await _cancel(dropped)
                 handover_start = time.perf_counter()
                 yield newly
                 self.stats.handover_ms.append((time.perf_counter() - handover_start) * 1e3)
                 if prefetch is not None:
-                    wait_start = time.perf_counter()
                     block = await prefetch
-                    # the draft's compute is on the critical path only while we wait for it
-                    waited_ms += min(block.compute_ms, (time.perf_counter() - wait_start) * 1e3)
+                    # A fresh draft starts after the verify's reply and the next verify
+                    # needs its block: all of its compute is on the critical path, the
+                    # caller's work beside it is not.
+                    waited_ms += block.compute_ms
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
                     launched = self._launched(launched, waited_ms, result, verified_k, "drafted after")
@@ -304,12 +312,10 @@ class Decoder:
                   wall_ms - waited_ms, wall_ms, how)
         return now
 
-    async def _take_predraft(self, task: asyncio.Task, block: DraftBlock, result: VerifyResult) -> DraftBlock | None:
-        """The pre-drafted block if the target took all of `block` and its bonus
-        token is the guess; otherwise None, and the draft crops on its next call."""
-        if result.accepted < len(block.tokens):
-            await _cancel(task)
-            return None
+    async def _take_predraft(self, task: asyncio.Task, result: VerifyResult) -> DraftBlock | None:
+        """After the target took all of the block that `task` pre-drafted after:
+        the pre-drafted block if the target's bonus token is the guess; otherwise
+        None, and the draft crops on its next call."""
         pre = await task
         if pre is None:
             return None
