@@ -5,10 +5,19 @@ draft token, so any change to the draft costs acceptance, never correctness.
   the whole vocabulary; the draft's distribution is zero outside the subset.
 - int8 dynamic quantization of the draft's linear layers (fbgemm), several times
   faster than bf16/fp32 matrix-vector products on CPUs without native bf16.
-  Activations get one scale per forward, so the probabilities of a token
-  depend on which tokens shared its forward: the pipeline, which splits the
-  draft's input differently, changes a seeded sampled run (never a greedy one,
-  and never the output distribution, which the target's rejection rule fixes)."""
+  Weights get one scale per output channel. Activations get one scale per
+  forward, so the probabilities of a token depend on which tokens shared its
+  forward: the pipeline, which splits the draft's input differently, changes a
+  seeded sampled run (never a greedy one, and never the output distribution,
+  which the target's rejection rule fixes).
+  One scale per weight tensor (up to 2026-11) cost the default pair's draft
+  agreement on prose; one per output channel recovers nearly all of it with
+  the same kernel. Agreement of the draft's greedy token with the float32
+  target's along the target's greedy output, decoding as the draft service
+  does (prompt in one forward, then one token per forward), 4 prompts × 128
+  tokens (code-1, code-2, prose-1, prose-2), full head: float32
+  0.945/0.969/0.656/0.625 (mean 0.799); int8 per tensor 0.938/0.977/0.555/0.609
+  (0.770); int8 per channel 0.945/0.961/0.633/0.641 (0.795)."""
 from __future__ import annotations
 
 import logging
@@ -26,10 +35,11 @@ def frequent_token_ids(vocab_size: int, n: int, always: list[int]) -> torch.Tens
 
 
 def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
-    """int8 weights, dynamically quantized activations, for every nn.Linear (fp32 module)."""
-    from torch.ao.quantization import quantize_dynamic
+    """int8 weights, one scale per output channel, and dynamically quantized
+    activations, for every nn.Linear of a float32 module."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    return quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
+    return quantize_dynamic(module, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
 class ReducedHead:

@@ -79,3 +79,29 @@ def test_confidence_stop_ends_blocks_early_and_stays_lossless(tiny_models):
                 assert result.stats.drafted_tokens < 6 * result.stats.rounds  # some blocks were cut short
     finally:
         cluster.stop()
+
+
+def test_int8_draft_has_one_weight_scale_per_output_channel(tiny_models):
+    """Every linear layer of an int8 draft is int8 with a scale per output
+    channel (one per tensor cost the default draft 3 points of agreement, see
+    draft_service/cheap.py), and computes the float32 layer up to that rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draft_service.cheap import quantize_int8
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32).eval()
+    references = {name: module.weight.detach().clone()
+                  for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    quantized = dict(quantize_int8(model).named_modules())
+    for name, weight in references.items():
+        layer = quantized[name]
+        assert isinstance(layer, torch.ao.nn.quantized.dynamic.Linear), (name, type(layer))
+        qweight = layer.weight()
+        assert qweight.qscheme() == torch.per_channel_affine
+        scales = qweight.q_per_channel_scales()
+        assert scales.shape == (weight.shape[0],)
+        # each row's scale fits that row: rounding error within half a step of its own scale
+        error = (qweight.dequantize() - weight).abs().amax(dim=1)
+        assert torch.all(error <= scales * 0.5 + 1e-7)
+        assert scales.max() > 1.5 * scales.min()  # rows differ, so one scale per tensor would not fit them all
