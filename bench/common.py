@@ -56,30 +56,30 @@ class ModeResult:
     outputs: dict = field(default_factory=dict)
 
 
-def resolve_dtype(dtype: str) -> str:
-    """'auto' → what a CPU model service picks (tandem.cpu_kernels.auto_dtype)."""
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """'auto' → what a model service on `device` picks (tandem.cpu_kernels.auto_dtype)."""
     from tandem.cpu_kernels import auto_dtype
 
-    return auto_dtype("cpu") if dtype == "auto" else dtype
+    return auto_dtype(device) if dtype == "auto" else dtype
 
 
-def load_hf(path: str, dtype: str, linear: str = "auto"):
+def load_hf(path: str, dtype: str, linear: str = "auto", device: str = "cpu"):
     """The bare HF model; linear="auto" gives the kernels a model service would
     use for `dtype` (float32 on a CPU: fp16-weight or packed linear layers, see
     tandem.cpu_kernels), "native" plain nn.Linear."""
     from tandem.modeling import ModelConfig, load_causal_lm
 
-    return load_causal_lm(path, ModelConfig(path, dtype=dtype, linear=linear))
+    return load_causal_lm(path, ModelConfig(path, device=device, dtype=dtype, linear=linear))
 
 
-def baselines(dtype: str, extra: str = "") -> list[tuple[str, str]]:
+def baselines(dtype: str, extra: str = "", device: str = "cpu") -> list[tuple[str, str]]:
     """The (dtype, linear) configurations to time the target alone in: Tandem's
     own first (the identity reference), every other that may decode faster on
     this machine (tandem.cpu_kernels.baseline_configs), then `extra`
     ('bfloat16,float32/native')."""
     from tandem.cpu_kernels import baseline_configs, parse_config
 
-    configs = baseline_configs("cpu", dtype)
+    configs = baseline_configs(device, dtype)
     for label in extra.split(","):
         if label and parse_config(label) not in configs:
             configs.append(parse_config(label))
@@ -92,7 +92,7 @@ def hf_generate(model, prompts: dict[str, list[int]], new_tokens: int, assistant
     result = ModeResult()
 
     def generate(ids, max_new_tokens):
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(x))
         if assistant is not None:
             kwargs["assistant_model"] = assistant
@@ -183,8 +183,9 @@ def count_identical(result: ModeResult, reference: ModeResult) -> int:
 
 
 def machine() -> dict:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "gpu": gpu}
 
 
 def write(path: Path, payload: dict) -> None:

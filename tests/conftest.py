@@ -15,6 +15,9 @@ from tandem.model_service import CacheConfig
 from tandem.modeling import ModelConfig
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The clusters' model services run here; TANDEM_TEST_DEVICE=cuda runs them on a
+# GPU (the references stay on the CPU in float32).
+DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 TINY_VOCAB = 128
 
 
@@ -86,9 +89,9 @@ class Cluster:
         p = self.params
         cache = CacheConfig(budget_mb=p["cache_mb"], session_ttl_s=0)
         target, target_port, _, self.target = build_target(
-            "127.0.0.1:0", ModelConfig(p["target_dir"], dtype=p["dtype"]), cache)
+            "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"]), cache)
         draft, draft_port, _, self.draft = build_draft(
-            "127.0.0.1:0", ModelConfig(p["draft_dir"], dtype=p["dtype"]), cache,
+            "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"]), cache,
             p["draft_options"] or DraftOptions())
         await target.start()
         await draft.start()
