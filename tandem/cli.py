@@ -35,7 +35,8 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                    help="linear kernels (CPU, float32): fp16 = FBGEMM on weights stored in fp16, for layers "
                         "whose weights convert exactly (others packed); packed = oneDNN with weights reordered "
                         "at load; native = nn.Linear; auto = fp16 where it applies (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
     p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")

@@ -105,3 +105,13 @@ def test_int8_draft_has_one_weight_scale_per_output_channel(tiny_models):
         error = (qweight.dequantize() - weight).abs().amax(dim=1)
         assert torch.all(error <= scales * 0.5 + 1e-7)
         assert scales.max() > 1.5 * scales.min()  # rows differ, so one scale per tensor would not fit them all
+
+
+def test_int8_draft_is_refused_off_the_cpu(tiny_models):
+    """fbgemm's int8 kernels run on the CPU only: a GPU draft service asked for
+    them fails at start with words, before loading anything."""
+    from draft_service.server import DraftServicer
+    from tandem.modeling import ModelConfig
+
+    with pytest.raises(ValueError, match="CPU only"):
+        DraftServicer(ModelConfig(tiny_models["target"], device="cuda:0"), options=DraftOptions(quantize="int8"))
