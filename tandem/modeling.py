@@ -86,7 +86,8 @@ def use_gpu_host_settings(threads: int = 0) -> None:
     step of these models is a few ms of GPU work behind many small kernel
     launches, so the CPU is the bottleneck: one intra-op thread (unless `threads`
     says otherwise), and no cuDNN attention, whose per-call planning runs on the
-    CPU (2.7 ms of CPU a layer in a profile of the default target on an H100).
+    CPU (2.7 ms of CPU per attention call, 16 threads, in a profile of the
+    default target on an H100).
     Measured there: a one-token forward of the default target 101.8 ms with
     torch's default 16 threads, 27.5 ms with one; the target alone through
     generate() 50.1 ms a token before both settings, 25.4 ms after."""
