@@ -149,6 +149,18 @@ def _serve(args) -> None:
     ))
 
     async def run():
+        try:
+            server, port, health, servicer, name, draining = await build()
+        except (ValueError, OSError) as err:  # bad flags, a model that cannot be loaded, a port in use
+            logging.getLogger("tandem").debug("start-up failed", exc_info=True)
+            raise StartupError(str(err)) from err
+        await server.start()
+        await serving.set_serving(health, [name], True)
+        logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
+        print(f"READY {args.role} {args.host}:{port}", flush=True)
+        await serving.run_until_signalled(server, health, [name], draining=draining)
+
+    async def build():
         if args.role == "orchestrator":
             from orchestrator.policy import KPolicyConfig
             from orchestrator.server import OrchestratorConfig, build_server
@@ -179,16 +191,16 @@ def _serve(args) -> None:
                                        quantize=args.quantize, min_confidence=args.min_confidence)
                 server, port, health, servicer = build_server(address, model, cache, options)
             draining = servicer.draining
-        await server.start()
-        await serving.set_serving(health, [name], True)
-        logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
-        print(f"READY {args.role} {args.host}:{port}", flush=True)
-        await serving.run_until_signalled(server, health, [name], draining=draining)
+        return server, port, health, servicer, name, draining
 
     try:
         asyncio.run(run())
     finally:
         observability.shutdown()  # flushes the spans not exported yet
+
+
+class StartupError(Exception):
+    """A service could not start: bad flags, a model that cannot be loaded, a busy port."""
 
 
 def _print_result(result, args) -> None:
@@ -262,6 +274,9 @@ def main(argv=None) -> int:
     except grpc.RpcError as err:
         print(f"tandem: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+    except StartupError as err:
+        print(f"tandem serve {args.role}: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -230,7 +230,12 @@ def ensure_model(spec: GGUFModelSpec, progress: bool = True, gguf: pathlib.Path 
 def resolve_model(spec_or_path: str, progress: bool = True) -> str:
     """Map an alias ("default-target", "default-draft") to its cached directory; pass anything else through."""
     spec = ALIASES.get(spec_or_path)
-    return str(ensure_model(spec, progress=progress)) if spec is not None else spec_or_path
+    if spec is not None:
+        return str(ensure_model(spec, progress=progress))
+    if spec_or_path.startswith(("/", "./", "../", "~")) and not pathlib.Path(spec_or_path).expanduser().is_dir():
+        raise FileNotFoundError(f"model {spec_or_path!r}: no such directory (give a local directory, a hub id, "
+                                f"or one of {sorted(ALIASES)})")
+    return str(pathlib.Path(spec_or_path).expanduser()) if spec_or_path.startswith("~") else spec_or_path
 
 
 def main(argv: list[str] | None = None) -> None:

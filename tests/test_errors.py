@@ -88,3 +88,20 @@ def test_model_services_check_their_input(random_cluster):
         stale = draft_pb2.ProposeRequest(session_id="never-seen", prefix=common_pb2.PrefixRef(length=3, fingerprint=9),
                                          new_tokens=[1], num_tokens=2)
         assert _code(lambda: draft.Propose(stale)) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["orchestrator", "--k-min", "5", "--k-max", "2"], "k_min <= k <= k_max"),
+    (["draft", "--model", "/no/such/model"], "no such directory"),
+    (["target", "--model", "./missing", "--dtype", "float32"], "no such directory"),
+])
+def test_serve_with_bad_flags_exits_2_with_words(argv, words):
+    """A service that cannot start says why in one line and exits 2, without a traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", *argv, "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"tandem serve {argv[0]}:" in proc.stderr and words in proc.stderr
+    assert "Traceback" not in proc.stderr
