@@ -104,8 +104,9 @@ def main(argv=None) -> int:
                         help="cpu: two nodes emulated by pinned cores; cuda[:N]: both services on the one GPU, "
                              "each in its own process (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="dtype of Tandem's models and of the identity reference; auto = bfloat16 where the "
-                             "hardware has it natively, else float32 on fp16-weight or packed linear layers (default: %(default)s)")
+                        help="dtype of Tandem's models and of the identity reference; auto = what a service picks "
+                             "(tandem.cpu_kernels.auto_dtype: bfloat16 on a GPU, float32 on fp16-weight layers on "
+                             "a CPU with FBGEMM) (default: %(default)s)")
     parser.add_argument("--baselines", default="",
                         help="time the target alone (a, e) in these configurations too, e.g. 'bfloat16,float32/native'; "
                              "Tandem's own, float32/native where Tandem packs, and bfloat16 are always timed, and "

@@ -29,8 +29,9 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                    help="local directory, hub id, or default-target / default-draft (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="weights and compute dtype; auto = bfloat16 on GPUs and on CPUs with native bf16, "
-                        "else float32 (see --linear) (default: %(default)s)")
+                   help="weights and compute dtype; auto = bfloat16 on GPUs; on CPUs float32 on fp16-weight "
+                        "layers where FBGEMM has them (faster than native bf16 too), else bfloat16 with "
+                        "native bf16, else float32 (see --linear) (default: %(default)s)")
     p.add_argument("--linear", default="auto", choices=["auto", "native", "packed", "fp16"],
                    help="linear kernels (CPU, float32): fp16 = FBGEMM on weights stored in fp16, for layers "
                         "whose weights convert exactly (others packed); packed = oneDNN with weights reordered "

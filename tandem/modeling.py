@@ -27,7 +27,7 @@ class ModelConfig:
 
     model: str  # local directory, hub id, or an alias of tandem.default_models
     device: str = "cpu"
-    dtype: str = "auto"  # "auto": bfloat16 on GPUs and bf16-native CPUs, else float32 (tandem.cpu_kernels)
+    dtype: str = "auto"  # "auto": tandem.cpu_kernels.auto_dtype (bfloat16 on GPUs, float32 on fp16 weights on CPUs)
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default on a CPU, 1 on a GPU (use_gpu_host_settings)
     linear: str = "auto"  # "native": nn.Linear; "packed": oneDNN float32 (CPU); "fp16": FBGEMM on exact fp16 weights; "auto": the fastest that fits
 

@@ -104,7 +104,8 @@ def test_config_resolves_dtype_and_kernels():
     assert ModelConfig("m", dtype="float32", linear="packed").kernel == "packed"
     assert ModelConfig("m", dtype="bfloat16").kernel == "native"
     cpu = ModelConfig("m").resolved_dtype
-    assert cpu == ("bfloat16" if cpu_kernels.native_bf16() else "float32")
+    fp16 = cpu_kernels.fp16_available() and cpu_kernels.packed_available()
+    assert cpu == ("float32" if fp16 or not cpu_kernels.native_bf16() else "bfloat16")
     with pytest.raises(ValueError, match="packed"):
         ModelConfig("m", dtype="bfloat16", linear="packed")
     with pytest.raises(ValueError, match="fp16 linear layers need"):
@@ -117,11 +118,14 @@ def test_config_resolves_dtype_and_kernels():
 
 def test_baselines_include_every_kernel_that_may_decode_faster():
     # A speedup is taken over the fastest target alone: the service's own
-    # configuration comes first (the identity reference), then nn.Linear when
-    # the service packs (it wins on one-token decoding), then bf16.
+    # configuration comes first (the identity reference), then on a CPU float32
+    # on its fastest layers, nn.Linear (it wins on one-token decoding where the
+    # service packs) and bf16, each set of kernels once.
     assert cpu_kernels.baseline_configs("cpu", "float32") == [
         ("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]
-    assert cpu_kernels.baseline_configs("cpu", "bfloat16") == [("bfloat16", "auto")]
+    native = cpu_kernels.resolve_linear("auto", "cpu", "float32") == "native"
+    assert cpu_kernels.baseline_configs("cpu", "bfloat16") == [("bfloat16", "auto"), ("float32", "auto")] + (
+        [] if native else [("float32", "native")])
     assert cpu_kernels.baseline_configs("cuda:0", "float32") == [("float32", "auto"), ("bfloat16", "auto")]
     for config in [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]:
         assert cpu_kernels.parse_config(cpu_kernels.config_label(*config)) == config
