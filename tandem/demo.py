@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
     parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="dtype of both models; auto = bfloat16 where the hardware has it natively, else "
-                             "float32 on fp16-weight or packed linear layers (default: %(default)s)")
+                        help="dtype of both models; auto = what a service picks (tandem.cpu_kernels.auto_dtype: "
+                             "float32 on fp16-weight layers on a CPU with FBGEMM) (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per generation (default: %(default)s)")
     parser.add_argument("--pipeline", choices=["on", "off"], default="on", help="pipelined drafting")
     parser.add_argument("--draft-args", default="--quantize int8 --vocab-subset 32768",
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     prompt_ids = AutoTokenizer.from_pretrained(resolve_model(args.target)).encode(CODE_PROMPT)
     from tandem.modeling import ModelConfig
 
-    from tandem.cpu_kernels import baseline_configs, config_label
+    from tandem.cpu_kernels import baseline_configs, config_label, resolve_linear
 
     dtype = ModelConfig(args.target, dtype=args.dtype).resolved_dtype
     reference, target_tok_s = target_alone(args.target, dtype, "auto", prompt_ids, result.completion_tokens)
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     best_tok_s = target_tok_s
     for other_dtype, linear in baseline_configs("cpu", dtype)[1:]:  # others that may decode faster here
         _, other_tok_s = target_alone(args.target, other_dtype, linear, prompt_ids, result.completion_tokens)
-        kernels = "nn.Linear" if linear == "native" else "Hugging Face's kernels"
+        kernels = {"native": "nn.Linear", "fp16": "fp16-weight layers", "packed": "packed layers"}[
+            resolve_linear(linear, "cpu", other_dtype)]
         print(f"target alone ({config_label(other_dtype, linear)}, {kernels}) {other_tok_s:.2f} tok/s")
         best_tok_s = max(best_tok_s, other_tok_s)
     print(f"Tandem {tandem_tok_s:.2f} tok/s · speedup {tandem_tok_s / best_tok_s:.2f}x over the fastest target alone")
