@@ -27,8 +27,8 @@ def main(argv=None) -> int:
                              "the hardware has it natively, else float32 on fp16-weight or packed linear layers (default: %(default)s)")
     parser.add_argument("--baselines", default="",
                         help="also time the target alone in these configurations, e.g. 'bfloat16,float32/native'; "
-                             "float32/native where Tandem packs, and bfloat16, are always timed; "
-                             "speedups are over the fastest")
+                             "tandem.cpu_kernels.baseline_configs' others (float32 on its fastest layers, "
+                             "float32/native, bfloat16) are always timed; speedups are over the fastest")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per round, for HF assisted and Tandem")

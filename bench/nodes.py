@@ -109,8 +109,9 @@ def main(argv=None) -> int:
                              "a CPU with FBGEMM) (default: %(default)s)")
     parser.add_argument("--baselines", default="",
                         help="time the target alone (a, e) in these configurations too, e.g. 'bfloat16,float32/native'; "
-                             "Tandem's own, float32/native where Tandem packs, and bfloat16 are always timed, and "
-                             "speedups are over the fastest")
+                             "Tandem's own and tandem.cpu_kernels.baseline_configs' others (on a CPU: float32 on its "
+                             "fastest layers, float32/native, bfloat16) are always timed, and speedups are over the "
+                             "fastest")
     parser.add_argument("--draft-args", default=None,
                         help="extra flags for the draft service (default: '--quantize int8 --vocab-subset 32768' "
                              "on a CPU, none on a GPU)")

@@ -52,7 +52,7 @@ def packed_available() -> bool:
 def auto_dtype(device: str) -> str:
     """bfloat16 on GPUs. On a CPU, float32 on fp16-weight layers where FBGEMM has
     them, even where the CPU has native bf16: on a 2-core AVX512-BF16 EPYC, one
-    thread, the default target alone decoded 8.64 tok/s so against 4.30 in bf16
+    thread, the default target alone decoded 8.64 tok/s against 4.30 in bf16
     (2 prompts × 48 tokens). Else bfloat16 with native bf16, float32 (packed)
     without."""
     if device.startswith("cuda"):
