@@ -74,6 +74,8 @@ def load_causal_lm(path: str, config: ModelConfig, pack: bool = True) -> torch.n
              config.kernel if pack else "native")
     if config.device.startswith("cuda"):
         use_gpu_host_settings(config.threads)
+    elif config.threads:
+        torch.set_num_threads(config.threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.resolved_dtype])
     model.to(config.device).eval()
     if pack and config.packed:
@@ -100,8 +102,6 @@ def load(config: ModelConfig, pack: bool = True) -> LoadedModel:
     caller that transforms them first (the draft's int8 and reduced head)."""
     from tandem.default_models import resolve_model
 
-    if config.threads:
-        torch.set_num_threads(config.threads)
     path = resolve_model(config.model)
     model = load_causal_lm(path, config, pack)
     tokenizer = load_tokenizer(path)
