@@ -91,6 +91,17 @@ class NgramDrafter:
         return found or Proposal([], [], [], len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3, 0.0)
 
 
+class StepAborted(Exception):
+    """A draft step stopped between two layers: its call was cancelled."""
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (model.model.layers and
+    the like); [] where the model does not have them in that place."""
+    layers = getattr(getattr(model, "base_model", model), "layers", None)
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
 class ModelDrafter:
     """Drafts autoregressively with a small causal LM on a per-session KV cache,
     optionally scoring only a token subset (ReducedHead).
@@ -98,7 +109,14 @@ class ModelDrafter:
     Under greedy decoding it stops a block early once the draft's probability of
     its own token falls below min_confidence (0 = never): a token it doubts is
     likely rejected, and the tokens after it more so, so drafting them costs
-    draft steps for little. The target still verifies every token proposed."""
+    draft steps for little. The target still verifies every token proposed.
+
+    A cancelled call stops at the next layer, not only at the next step: the
+    orchestrator cancels a pre-draft when the verify beside it rejects a token,
+    and its fresh draft, on the critical path, queues behind whatever the
+    pre-draft still runs (a step costs ~60 ms on a 2-core AVX2 VM). The
+    half-run step's keys and values are cropped off
+    (SessionCache.drop_partial_step)."""
 
     def __init__(self, runner: ModelRunner, store: SessionCacheStore, head: ReducedHead | None = None,
                  min_confidence: float = 0.0):
@@ -107,6 +125,13 @@ class ModelDrafter:
         self.head = head
         self.min_confidence = min_confidence
         self.vocab_size = runner.loaded.vocab_size
+        self._cancelled: threading.Event | None = None  # of the call running on the worker thread
+        for layer in decoder_layers(runner.model):
+            layer.register_forward_pre_hook(self._abort_if_cancelled)
+
+    def _abort_if_cancelled(self, module, args) -> None:
+        if self._cancelled is not None and self._cancelled.is_set():
+            raise StepAborted
 
     def _doubts(self, logits: torch.Tensor, token: int, call: ProposeCall, drafted: int) -> bool:
         """Whether to stop after `drafted` tokens: greedy only, and a pre-draft
@@ -129,6 +154,7 @@ class ModelDrafter:
     def _draft(self, cache: SessionCache, call: ProposeCall, cancelled: threading.Event, cropped: int,
                start: float) -> Proposal:
         tokens, probs, dists, steps_ms = [], [], [], []
+        self._cancelled = cancelled
         try:
             for i in range(call.num_tokens):
                 if cancelled.is_set():
@@ -136,7 +162,12 @@ class ModelDrafter:
                 step_start = time.perf_counter()
                 if i:
                     cache.append(tokens[-1:])
-                logits = self._next_logits(cache)
+                try:
+                    logits = self._next_logits(cache)
+                except StepAborted:
+                    if not cache.drop_partial_step():
+                        self.store.release(call.session_id)
+                    break
                 token, prob, dist = draw(logits, call, position=len(cache), first=i == 0)
                 steps_ms.append((time.perf_counter() - step_start) * 1e3)
                 tokens.append(token)
@@ -149,6 +180,8 @@ class ModelDrafter:
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused
             raise
+        finally:
+            self._cancelled = None
         self.store.enforce_budget(keep=call.session_id)
         if len(call.new_tokens) > 1 and len(steps_ms) > 1:
             steps_ms = steps_ms[1:]  # the first step also prefilled: not a draft step's cost

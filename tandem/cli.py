@@ -156,6 +156,7 @@ def _serve(args) -> None:
             logging.getLogger("tandem").debug("start-up failed", exc_info=True)
             raise StartupError(str(err)) from err
         await server.start()
+        serving.freeze_startup_objects()
         await serving.set_serving(health, [name], True)
         logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
         print(f"READY {args.role} {args.host}:{port}", flush=True)

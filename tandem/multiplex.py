@@ -165,7 +165,9 @@ class CallStream:
             self._cancel_remote(stream, call_id)
             raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.method}: no reply in {timeout_s:g} s") from None
         except asyncio.CancelledError:
-            if not future.done():
+            # Cancelling the task cancels the future it awaits: a cancelled future
+            # means no reply came, and the service is still at the call.
+            if future.cancelled() or not future.done():
                 self._cancel_remote(stream, call_id)
             raise
         finally:

@@ -68,6 +68,19 @@ class SessionCache:
             self.kv_len = length
         return max(dropped, 0)
 
+    def drop_partial_step(self) -> bool:
+        """After a forward that stopped between layers: every layer back to the
+        kv_len tokens it held before. False when a layer cannot be trusted to
+        say its length (not a plain DynamicLayer); the caller then drops the cache."""
+        layers = getattr(self.kv, "layers", ())
+        if any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+            return False
+        for layer in layers:
+            extra = layer.get_seq_length() - self.kv_len if layer.is_initialized else 0
+            if extra > 0:
+                layer.crop(-extra)
+        return True
+
     def matches(self, length: int, fp: int) -> bool:
         if length == 0:
             return True

@@ -60,3 +60,53 @@ async def test_views_follow_what_each_service_holds(tiny_models):
     for view, cache in ((decoder.target_view, target_cache), (decoder.draft_view, draft_cache)):
         assert view.length <= len(cache.tokens)
         assert cache.tokens[: view.length] == committed[: view.length]
+
+
+def _propose_call(session, prefix, new_tokens, k):
+    from draft_service.drafters import ProposeCall
+    from tandem import fingerprint
+
+    fp = fingerprint.prefix_table(prefix)[-1] if prefix else fingerprint.EMPTY
+    return ProposeCall(session_id=session, prefix_len=len(prefix), prefix_fp=fp, new_tokens=new_tokens,
+                       num_tokens=k, sampling=SamplingParams(), return_dists=False, first_is_bonus_guess=False)
+
+
+def test_a_cancelled_draft_stops_between_layers_and_its_cache_goes_on_exactly(tiny_models):
+    """A pre-draft cancelled mid-step stops at the next layer, not at the end of
+    the step; the half-run step's keys and values are cropped, so the next call
+    on the session drafts exactly what an uncancelled draft would have."""
+    import threading
+
+    runner = ModelRunner(load(ModelConfig(tiny_models["other"], dtype="float32")), "cpu")
+    drafter = ModelDrafter(runner, SessionCacheStore(runner.new_cache))
+    prompt = [4, 8, 15, 16, 23, 42]
+    never = threading.Event()
+    reference = drafter.propose(_propose_call("ref", [], prompt, 6), never).tokens
+    assert len(reference) == 6
+
+    first, second = runner.model.model.layers
+    calls = {"first": 0, "second": 0}
+    cancelled = threading.Event()
+
+    def count_first(module, args, output):
+        calls["first"] += 1
+        if calls["first"] == 3:  # the third step: cancelled after its first layer
+            cancelled.set()
+
+    def count_second(module, args, output):
+        calls["second"] += 1
+
+    hooks = [first.register_forward_hook(count_first), second.register_forward_hook(count_second)]
+    try:
+        proposal = drafter.propose(_propose_call("s", [], prompt, 6), cancelled)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert proposal.tokens == reference[:2]
+    assert calls == {"first": 3, "second": 2}  # the third step never reached the second layer
+    cache = drafter.store._sessions["s"]
+    assert cache.kv_len == len(prompt) + 1
+    assert [layer.get_seq_length() for layer in cache.kv.layers] == [cache.kv_len] * 2
+    # The orchestrator's next call: the first drafted token committed, the second sent anew.
+    after = drafter.propose(_propose_call("s", prompt + reference[:1], reference[1:2], 4), never)
+    assert after.tokens == reference[2:6]

@@ -151,6 +151,52 @@ def test_serve_calls_cancels_answers_and_drains():
     assert serving.is_cache_miss(multiplex._call_error(got[3].error))
 
 
+def test_a_cancelled_stream_call_is_cancelled_at_the_service():
+    """Cancelling the caller's task cancels the call at the service, over a real
+    socket: the orchestrator drops a pre-draft this way when the verify beside
+    it rejects a token, and the fresh draft must not queue behind it. The
+    stream then serves the next call."""
+    from tandem.v1 import draft_pb2_grpc
+
+    trace = (("traceparent", "00-abc"),)
+
+    async def run():
+        handler = _Handler()
+
+        class Servicer(draft_pb2_grpc.DraftServiceServicer):
+            async def ProposeStream(self, calls, context):
+                async for result in multiplex.serve_calls(calls, handler, draft_pb2.ProposeResult,
+                                                          common_pb2.CallError):
+                    yield result
+
+        server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(Servicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = serving.insecure_channel(f"127.0.0.1:{port}")
+        calls = multiplex.CallStream(draft_pb2_grpc.DraftServiceStub(channel).ProposeStream, draft_pb2.ProposeCall,
+                                     "Propose")
+        try:
+            waiting = asyncio.create_task(calls.call(draft_pb2.ProposeRequest(session_id="wait"), 60, trace))
+            await asyncio.wait_for(handler.started.wait(), 10)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            async with asyncio.timeout(10):
+                while not handler.cancelled:
+                    await asyncio.sleep(0.01)
+            reply = await calls.call(draft_pb2.ProposeRequest(session_id="ok", new_tokens=[1, 2]), 10, trace)
+            return handler.cancelled, list(reply.tokens)
+        finally:
+            await calls.close()
+            await channel.close()
+            await server.stop(0)
+
+    cancelled, tokens = asyncio.run(run())
+    assert cancelled == ["wait"]
+    assert tokens == [2]
+
+
 def test_generation_survives_a_draft_service_restart(tiny_models):
     """The draft service goes away: a chat turn fails with UNAVAILABLE and the
     session keeps its committed tokens (and the turn's message). It comes back
