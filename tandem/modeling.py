@@ -6,6 +6,7 @@ transformers' model classes.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 from dataclasses import dataclass
@@ -176,6 +177,13 @@ def eos_token_ids(model) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name of forward()'s KV-cache argument: `cache` from transformers 5.24
+    on (`past_key_values` is deprecated there, to be removed in 5.40),
+    `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class ModelRunner:
     """Runs new tokens through the model on a session's KV cache."""
 
@@ -183,6 +191,8 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.device = torch.device(device)
+        self._cache_kwarg = cache_kwarg(self.model)
+        self._base_cache_kwarg = cache_kwarg(self.model.base_model)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
@@ -193,9 +203,8 @@ class ModelRunner:
         for the last logits_to_keep positions."""
         assert tokens and 1 <= logits_to_keep <= len(tokens), (len(tokens), logits_to_keep)
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
-        )
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                         **{self._cache_kwarg: cache})
         return out.logits[0, -logits_to_keep:].float()
 
     @torch.inference_mode()
@@ -204,5 +213,5 @@ class ModelRunner:
         before the output layer (for drafters with their own head)."""
         assert tokens
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        out = self.model.base_model(input_ids=input_ids, use_cache=True, **{self._base_cache_kwarg: cache})
         return out.last_hidden_state[0, -1]
