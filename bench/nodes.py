@@ -34,14 +34,28 @@ def pin(cpus: set[int], threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks) -> dict[str, ModeResult]:
+def whole_configs(spec: str) -> list[tuple[bool, int]]:
+    """'sequential:2,pipelined:1' -> [(False, 2), (True, 1)]: (pipeline, threads per service)."""
+    configs = []
+    for item in spec.split(","):
+        mode, _, threads = item.strip().partition(":")
+        if mode not in ("sequential", "pipelined") or not threads.isdigit() or int(threads) < 1:
+            raise argparse.ArgumentTypeError(f"--whole-configs: expected MODE:THREADS with MODE sequential or "
+                                             f"pipelined, got {item!r}")
+        configs.append((mode == "pipelined", int(threads)))
+    return configs
+
+
+def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks,
+                 whole: tuple[bool, int] = (False, 2)) -> dict[str, ModeResult]:
     """pinned: modes (b)-(d), each service on its own core (on a GPU: its own
-    process on the one GPU); else (g), unpinned."""
+    process on the one GPU); else (g), unpinned, in the configuration `whole`
+    (pipeline, threads per service)."""
     from tandem.launch import Deployment, Service
     from tandem.redis_local import ensure_redis
 
     gpu = args.device != "cpu"
-    threads = None if gpu else args.threads_per_node if pinned else args.whole_threads
+    threads = None if gpu else args.threads_per_node if pinned else whole[1]
     model_args = ["--dtype", args.dtype, "--device", args.device]
     target = Service("target", ["--model", args.target, *model_args], threads=threads,
                      cpus=cpus_target if pinned and not gpu else None)
@@ -67,10 +81,11 @@ def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks)
             print("(d) Tandem pipelined, adaptive k …", flush=True)
             results["d_pipelined_adaptive"] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=True)
         else:
-            print(f"(g) Tandem on the whole machine, unpinned, {threads} threads per service, "
-                  f"pipeline {args.whole_pipeline}, adaptive k …", flush=True)
-            results["g_whole_machine"] = tandem_generate(deployment.address, prompts, args.new_tokens,
-                                                         pipeline=args.whole_pipeline == "on")
+            how = "pipelined" if whole[0] else "sequential"
+            print(f"(g) Tandem on the whole machine, unpinned, {how}, {threads} threads per service, "
+                  "adaptive k …", flush=True)
+            results[f"g_whole_machine_{how}_{threads}t"] = tandem_generate(deployment.address, prompts,
+                                                                           args.new_tokens, pipeline=whole[0])
     return results
 
 
@@ -122,10 +137,10 @@ def main(argv=None) -> int:
     parser.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
     parser.add_argument("--k-max", type=int, default=6, help="adaptive k upper bound")
     parser.add_argument("--threads-per-node", type=int, default=1, help="torch threads per pinned service")
-    parser.add_argument("--whole-threads", type=int, default=2,
-                        help="(g): torch threads per service on the unpinned machine (default: %(default)s)")
-    parser.add_argument("--whole-pipeline", choices=["on", "off"], default="off",
-                        help="(g): pipelining on the unpinned machine; off suits services that use every core")
+    parser.add_argument("--whole-configs", type=whole_configs, default=whole_configs("sequential:2,pipelined:1"),
+                        help="(g): the configurations to run Tandem in on the unpinned machine, MODE:THREADS per "
+                             "service, comma-separated; each is timed and (g) is the fastest, since which wins "
+                             "depends on how the machine scales to two threads (default: sequential:2,pipelined:1)")
     parser.add_argument("--skip", default="", help="comma-separated mode letters to skip (e.g. e,f)")
     parser.add_argument("--out", default=str(RESULTS / "nodes.json"), help="JSON output path")
     args = parser.parse_args(argv)
@@ -190,7 +205,8 @@ def main(argv=None) -> int:
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k]
     modes.update(tandem_modes(args, prompts, core_t, core_d, pinned=True, fixed_ks=fixed_ks))
     if "g" not in skip:
-        modes.update(tandem_modes(args, prompts, core_t, core_d, pinned=False, fixed_ks=[]))
+        for whole in args.whole_configs:
+            modes.update(tandem_modes(args, prompts, core_t, core_d, pinned=False, fixed_ks=[], whole=whole))
     for result in modes.values():
         result.identical = count_identical(result, reference)
 
@@ -240,7 +256,9 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "baselines": [config_label(*c) for c in configs],
         "draft_args": args.draft_args,
-        "whole_machine": {"threads_per_service": args.whole_threads, "pipeline": args.whole_pipeline},
+        "whole_machine": {"configs": [{"pipeline": p, "threads_per_service": t} for p, t in args.whole_configs],
+                          "fastest": max((n for n in modes if n.startswith("g_whole_machine")),
+                                         key=lambda n: modes[n].tok_s, default=None)},
         "new_tokens": args.new_tokens,
         "prompts": list(prompts),
         "machine": machine(),

@@ -76,7 +76,7 @@ class SessionCache:
         if any(type(layer).__name__ != "DynamicLayer" for layer in layers):
             return False
         for layer in layers:
-            extra = layer.get_seq_length() - self.kv_len if layer.is_initialized else 0
+            extra = layer.get_seq_length() - self.kv_len
             if extra > 0:
                 layer.crop(-extra)
         return True
