@@ -47,7 +47,7 @@ def whole_configs(spec: str) -> list[tuple[bool, int]]:
 
 
 def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks,
-                 whole: tuple[bool, int] = (False, 2)) -> dict[str, ModeResult]:
+                 whole: tuple[bool, int] | None = None) -> dict[str, ModeResult]:
     """pinned: modes (b)-(d), each service on its own core (on a GPU: its own
     process on the one GPU); else (g), unpinned, in the configuration `whole`
     (pipeline, threads per service)."""

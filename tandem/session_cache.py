@@ -72,8 +72,10 @@ class SessionCache:
         """After a forward that stopped between layers: every layer back to the
         kv_len tokens it held before. False when a layer cannot be trusted to
         say its length (not a plain DynamicLayer); the caller then drops the cache."""
+        from transformers.cache_utils import DynamicLayer
+
         layers = getattr(self.kv, "layers", ())
-        if any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        if any(type(layer) is not DynamicLayer for layer in layers):
             return False
         for layer in layers:
             extra = layer.get_seq_length() - self.kv_len
