@@ -24,6 +24,8 @@ import logging
 
 import torch
 
+from tandem.cpu_kernels import pack_linears
+
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +47,10 @@ def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
 class ReducedHead:
     """Logits over a token subset, scattered into a full-vocabulary row (-inf elsewhere)."""
 
-    def __init__(self, lm_head_weight: torch.Tensor, token_ids: torch.Tensor, int8: bool):
+    def __init__(self, lm_head_weight: torch.Tensor, token_ids: torch.Tensor, int8: bool, kernel: str = "native"):
+        """kernel: the linear kernel of the rest of the model when not int8
+        (tandem.cpu_kernels.resolve_linear): "packed" or "fp16" replace the
+        subset's nn.Linear as they do the model's."""
         assert lm_head_weight.ndim == 2 and token_ids.ndim == 1
         self.vocab_size = lm_head_weight.shape[0]
         self.token_ids = token_ids.to(lm_head_weight.device)
@@ -53,7 +58,14 @@ class ReducedHead:
         linear = torch.nn.Linear(lm_head_weight.shape[1], len(token_ids), bias=False, dtype=self.input_dtype,
                                  device=lm_head_weight.device)
         linear.weight.data = lm_head_weight[self.token_ids].detach().to(self.input_dtype).clone()
-        self.linear = quantize_int8(torch.nn.Sequential(linear))[0] if int8 else linear
+        if int8:
+            self.linear = quantize_int8(torch.nn.Sequential(linear))[0]
+        elif kernel != "native":
+            head = torch.nn.Sequential(linear)
+            pack_linears(head, kernel)
+            self.linear = head[0]
+        else:
+            self.linear = linear
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         head = None
         if options.vocab_subset:
             ids = frequent_token_ids(info.vocab_size, options.vocab_subset, list(_special_ids(info)))
-            head = ReducedHead(lm_head, ids, int8=options.quantize == "int8")
+            head = ReducedHead(lm_head, ids, int8=options.quantize == "int8", kernel=model.kernel)
             log.info("reduced draft head: %d of %d tokens", len(ids), info.vocab_size)
         if options.backend == "ngram+model":
             self.drafter = NgramModelDrafter(runner, store, head, options.ngram_max, options.min_confidence)

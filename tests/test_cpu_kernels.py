@@ -97,23 +97,68 @@ def test_fp16_kernels_keep_greedy_output(tiny_models):
 def test_config_resolves_dtype_and_kernels():
     assert ModelConfig("m", device="cuda:0").resolved_dtype == "bfloat16"
     assert not ModelConfig("m", device="cuda:0", dtype="float32").packed
-    assert not ModelConfig("m", dtype="bfloat16").packed
+    assert not ModelConfig("m", device="cuda:0", dtype="bfloat16").packed
     assert ModelConfig("m", dtype="float32").packed
     assert not ModelConfig("m", dtype="float32", linear="native").packed
     assert ModelConfig("m", dtype="float32").kernel == ("fp16" if cpu_kernels.fp16_available() else "packed")
     assert ModelConfig("m", dtype="float32", linear="packed").kernel == "packed"
-    assert ModelConfig("m", dtype="bfloat16").kernel == "native"
-    cpu = ModelConfig("m").resolved_dtype
-    fp16 = cpu_kernels.fp16_available() and cpu_kernels.packed_available()
-    assert cpu == ("float32" if fp16 or not cpu_kernels.native_bf16() else "bfloat16")
-    with pytest.raises(ValueError, match="packed"):
-        ModelConfig("m", dtype="bfloat16", linear="packed")
+    assert not ModelConfig("m", dtype="bfloat16", linear="native").packed
     with pytest.raises(ValueError, match="fp16 linear layers need"):
         ModelConfig("m", device="cuda:0", dtype="float32", linear="fp16")
+    with pytest.raises(ValueError, match="fp16 linear layers need"):
+        ModelConfig("m", dtype="bfloat16", linear="fp16")
     with pytest.raises(ValueError, match="linear"):
         ModelConfig("m", linear="fast")
     with pytest.raises(ValueError, match="dtype"):
         ModelConfig("m", dtype="int4")
+
+
+@pytest.mark.parametrize("amx,native_bf16", [(True, True), (False, True), (False, False)])
+def test_cpu_picks_bf16_packed_with_amx_and_packs_bf16_only_where_native(monkeypatch, amx, native_bf16):
+    monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: amx)
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: native_bf16)
+    fp16 = cpu_kernels.fp16_available()
+    expected = "bfloat16" if amx else ("float32" if fp16 or not native_bf16 else "bfloat16")
+    assert ModelConfig("m").resolved_dtype == expected
+    assert ModelConfig("m", dtype="bfloat16").kernel == ("packed" if native_bf16 else "native")
+    if native_bf16:
+        assert ModelConfig("m", dtype="bfloat16", linear="packed").kernel == "packed"
+    else:
+        with pytest.raises(ValueError, match="packed bfloat16 linear layers need a CPU with native bf16"):
+            ModelConfig("m", dtype="bfloat16", linear="packed")
+
+
+@pytest.mark.skipif(not cpu_kernels.native_bf16(), reason="CPU without native bf16: bf16 layers are not packed")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (6, 48), (2, 7, 48)])
+def test_packed_bf16_linear_computes_the_bf16_layer(bias, shape):
+    # Both sum bf16 products in float32 and round once to bf16: they may differ
+    # by the last bit of a result, no more.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias).bfloat16()
+    x = torch.randn(*shape).bfloat16()
+    packed = cpu_kernels.PackedLinear(linear)
+    got = packed(x)
+    assert got.dtype == torch.bfloat16 and got.shape == linear(x).shape
+    exact = torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                       None if linear.bias is None else linear.bias.float())
+    torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, linear(x), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not cpu_kernels.native_bf16(), reason="CPU without native bf16: bf16 layers are not packed")
+def test_a_bf16_model_on_packed_layers_keeps_the_logits_of_nn_linear(tiny_models):
+    path = tiny_models["target"]
+    native = load_causal_lm(path, ModelConfig(path, dtype="bfloat16", linear="native"))
+    packed = load_causal_lm(path, ModelConfig(path, dtype="bfloat16", linear="packed"))
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    ids = torch.tensor([[5, 17, 99, 3, 42, 8]])
+    with torch.inference_mode():
+        got, expected = packed(ids).logits.float(), native(ids).logits.float()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    # bf16 keeps 8 bits: the two orders of summation agree to a few bf16 ulps
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
 
 
 def test_baselines_include_every_kernel_that_may_decode_faster():
