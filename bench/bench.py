@@ -23,8 +23,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
     parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="dtype of Tandem's models, HF assisted and the identity reference; auto = bfloat16 where "
-                             "the hardware has it natively, else float32 on fp16-weight or packed linear layers (default: %(default)s)")
+                        help="dtype of Tandem's models, HF assisted and the identity reference; auto = what a service "
+                             "picks (tandem.cpu_kernels.auto_dtype) (default: %(default)s)")
     parser.add_argument("--baselines", default="",
                         help="also time the target alone in these configurations, e.g. 'bfloat16,float32/native'; "
                              "tandem.cpu_kernels.baseline_configs' others (float32 on its fastest layers, "

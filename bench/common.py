@@ -65,7 +65,7 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 
 def load_hf(path: str, dtype: str, linear: str = "auto", device: str = "cpu"):
     """The bare HF model; linear="auto" gives the kernels a model service would
-    use for `dtype` (float32 on a CPU: fp16-weight or packed linear layers, see
+    use for `dtype` (on a CPU: fp16-weight or packed linear layers, see
     tandem.cpu_kernels), "native" plain nn.Linear."""
     from tandem.modeling import ModelConfig, load_causal_lm
 

@@ -29,13 +29,15 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                    help="local directory, hub id, or default-target / default-draft (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="weights and compute dtype; auto = bfloat16 on GPUs; on CPUs float32 on fp16-weight "
-                        "layers where FBGEMM has them (faster than native bf16 too), else bfloat16 with "
-                        "native bf16, else float32 (see --linear) (default: %(default)s)")
+                   help="weights and compute dtype; auto = bfloat16 on GPUs; on CPUs with AMX bfloat16 on packed "
+                        "layers; on other CPUs float32 on fp16-weight layers where FBGEMM has them (faster than "
+                        "native bf16 without AMX too), else bfloat16 with native bf16, else float32 (see --linear) "
+                        "(default: %(default)s)")
     p.add_argument("--linear", default="auto", choices=["auto", "native", "packed", "fp16"],
-                   help="linear kernels (CPU, float32): fp16 = FBGEMM on weights stored in fp16, for layers "
+                   help="linear kernels (CPU): fp16 = FBGEMM on weights stored in fp16, float32 only, for layers "
                         "whose weights convert exactly (others packed); packed = oneDNN with weights reordered "
-                        "at load; native = nn.Linear; auto = fp16 where it applies (default: %(default)s)")
+                        "at load, float32, or bfloat16 on CPUs with native bf16; native = nn.Linear; auto = fp16 "
+                        "where it applies, else packed where it applies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
