@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from tandem.cpu_kernels import pack_linears
+from tandem.cpu_kernels import pack_linear
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +60,8 @@ class ReducedHead:
         linear.weight.data = lm_head_weight[self.token_ids].detach().to(self.input_dtype).clone()
         if int8:
             self.linear = quantize_int8(torch.nn.Sequential(linear))[0]
-        elif kernel != "native":
-            head = torch.nn.Sequential(linear)
-            pack_linears(head, kernel)
-            self.linear = head[0]
         else:
-            self.linear = linear
+            self.linear = linear if kernel == "native" else pack_linear(linear, kernel)
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:

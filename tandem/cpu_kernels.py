@@ -221,22 +221,28 @@ class Fp16Linear(torch.nn.Module):
                 f"bias={self.bias is not None}, row_scaled={self.inv_scale is not None}")
 
 
+def pack_linear(linear: torch.nn.Linear, kernel: str = "packed") -> torch.nn.Module:
+    """The replacement of one nn.Linear: a PackedLinear, or for kernel="fp16" an
+    Fp16Linear where its weights convert exactly (else a PackedLinear)."""
+    if kernel not in ("packed", "fp16"):
+        raise ValueError(f"kernel must be 'packed' or 'fp16', got {kernel!r}")
+    exact = exact_fp16(linear.weight.detach().float()) if kernel == "fp16" else None
+    return Fp16Linear(linear, exact) if exact is not None else PackedLinear(linear)
+
+
 def pack_linears(model: torch.nn.Module, kernel: str = "packed") -> int:
     """Replaces every nn.Linear of a float32 or bfloat16 CPU model by a PackedLinear, or for
     kernel="fp16" by an Fp16Linear where its weights convert exactly (else a
     PackedLinear); returns how many layers it replaced. A weight shared with
     another module (a tied lm_head) stays where it is for that module; the
     replacement holds its own copy."""
-    if kernel not in ("packed", "fp16"):
-        raise ValueError(f"kernel must be 'packed' or 'fp16', got {kernel!r}")
     count = inexact = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                exact = exact_fp16(child.weight.detach().float()) if kernel == "fp16" else None
-                if kernel == "fp16" and exact is None:
-                    inexact += 1
-                setattr(parent, name, Fp16Linear(child, exact) if exact is not None else PackedLinear(child))
+                replacement = pack_linear(child, kernel)
+                inexact += kernel == "fp16" and isinstance(replacement, PackedLinear)
+                setattr(parent, name, replacement)
                 count += 1
     if kernel == "fp16":
         log.info("%d linear layers on fp16 weights (FBGEMM), %d packed for oneDNN "
