@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per round, for HF assisted and Tandem")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per model process (default: %(default)s)")
-    parser.add_argument("--cheap-draft-args", default="--quantize int8 --vocab-subset 32768",
+    parser.add_argument("--cheap-draft-args", default="--quantize auto --vocab-subset 32768",
                         help="also run Tandem with these draft flags ('' to skip) (default: %(default)s)")
     parser.add_argument("--out", default=str(RESULTS / "latest.json"), help="JSON output path")
     args = parser.parse_args(argv)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             (f"target alone, {args.dtype} (reference)", target_only), (f"HF assisted (k={args.k})", hf_assisted),
             (f"Tandem sequential (k={args.k})", tandem)]
     if cheap is not None:
-        rows.append(("Tandem, int8 + 32k-head draft", cheap))
+        rows.append(("Tandem, quantized + 32k-head draft", cheap))
     print("\n" + table(rows, fastest))
     print(f"vs base: over the fastest target alone; same: prompts equal to the target alone in {args.dtype}")
     write(Path(args.out), {

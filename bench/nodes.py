@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                              "fastest layers, float32/native, bfloat16) are always timed, and speedups are over the "
                              "fastest")
     parser.add_argument("--draft-args", default=None,
-                        help="extra flags for the draft service (default: '--quantize int8 --vocab-subset 32768' "
+                        help="extra flags for the draft service (default: '--quantize auto --vocab-subset 32768' "
                              "on a CPU, none on a GPU)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
             return 2
         skip |= {"e", "g"}
     if args.draft_args is None:
-        args.draft_args = "" if gpu else "--quantize int8 --vocab-subset 32768"
+        args.draft_args = "" if gpu else "--quantize auto --vocab-subset 32768"
     args.dtype = resolve_dtype(args.dtype, args.device)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:

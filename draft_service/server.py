@@ -5,10 +5,10 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-from draft_service.cheap import ReducedHead, frequent_token_ids, quantize_int8
+from draft_service.cheap import QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, quantize_int4, quantize_int8
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
 from tandem import multiplex, serving, telemetry
-from tandem.cpu_kernels import pack_linears
+from tandem.cpu_kernels import native_bf16, pack_linears
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
 from tandem.modeling import ModelConfig, ModelRunner, load, load_identity
 from tandem.session_cache import NullKV, SessionCacheStore
@@ -28,7 +28,7 @@ class DraftOptions:
     backend: str = "model"  # "model", "ngram" (prompt lookup) or "ngram+model"
     vocab_subset: int = 0  # FR-Spec: score only the N most frequent tokens; 0 = all
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
-    quantize: str = "none"  # "int8": int8 dynamic quantization of the draft's linear layers
+    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (weights, bf16), "auto": int4 where the CPU has native bf16, else int8
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
 
     def __post_init__(self):
@@ -38,14 +38,14 @@ class DraftOptions:
             raise ValueError("vocab_subset must be >= 0 and ngram_max >= 1")
         if not 0 <= self.min_confidence < 1:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
-        if self.quantize not in ("none", "int8"):
-            raise ValueError(f"quantize must be 'none' or 'int8', got {self.quantize!r}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
 
     @property
     def label(self) -> str:
         label = self.backend
         if self.backend != "ngram":
-            label += "/int8" if self.quantize == "int8" else ""
+            label += f"/{self.quantize}" if self.quantize != "none" else ""
             label += f"/vocab={self.vocab_subset}" if self.vocab_subset else ""
             label += f"/confidence>={self.min_confidence:g}" if self.min_confidence else ""
         return label
@@ -63,6 +63,9 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
     role = "draft"
 
     def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig(), options: DraftOptions = DraftOptions()):
+        if options.quantize == "auto" and options.backend != "ngram":
+            options = replace(options, quantize=auto_quantize(model.device))
+            log.info("--quantize auto: %s", options.quantize)
         self.backend = options.label
         budget = cache.budget_mb * 2**20
         if options.backend == "ngram":
@@ -71,15 +74,22 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             super().__init__(info, store, "draft-ngram")
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
             return
-        if options.quantize == "int8" and model.device != "cpu":
-            raise ValueError(f"--quantize int8 runs on the CPU only (fbgemm), not on {model.device}")
-        if options.quantize == "int8" and model.resolved_dtype != "float32":
-            log.info("int8 quantization computes in float32: loading the draft in float32")
-            model = replace(model, dtype="float32")
+        if options.quantize != "none" and model.device != "cpu":
+            kernel = "fbgemm" if options.quantize == "int8" else "aten's CPU int4 kernel"
+            raise ValueError(f"--quantize {options.quantize} runs on the CPU only ({kernel}), not on {model.device}")
+        compute = {"int8": "float32", "int4": "bfloat16"}.get(options.quantize)
+        if compute and model.resolved_dtype != compute:
+            log.info("%s quantization computes in %s: loading the draft in %s", options.quantize, compute, compute)
+            model = replace(model, dtype=compute, linear="native")
+        if options.quantize == "int4" and not native_bf16():
+            log.warning("--quantize int4 on a CPU without native bf16: its int4 kernel is slow here; "
+                        "--quantize int8 (or auto) is faster")
         info = load(model, pack=False)
         lm_head = info.model.get_output_embeddings().weight.detach()  # before quantization replaces it
         if options.quantize == "int8":
             info = replace(info, model=quantize_int8(info.model))
+        elif options.quantize == "int4":
+            info = replace(info, model=quantize_int4(info.model))
         elif model.packed:
             pack_linears(info.model, model.kernel)
         runner = ModelRunner(info, model.device)
@@ -88,7 +98,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         head = None
         if options.vocab_subset:
             ids = frequent_token_ids(info.vocab_size, options.vocab_subset, list(_special_ids(info)))
-            head = ReducedHead(lm_head, ids, int8=options.quantize == "int8", kernel=model.kernel)
+            head = ReducedHead(lm_head, ids, quantize=options.quantize, kernel=model.kernel)
             log.info("reduced draft head: %d of %d tokens", len(ids), info.vocab_size)
         if options.backend == "ngram+model":
             self.drafter = NgramModelDrafter(runner, store, head, options.ngram_max, options.min_confidence)

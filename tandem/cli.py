@@ -99,10 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--vocab-subset", type=int, default=0,
                        help="score only the N most frequent tokens in the draft head (FR-Spec); 0 = full vocabulary")
     draft.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by prompt lookup")
-    draft.add_argument("--quantize", default="none", choices=["none", "int8"],
-                       help="int8 dynamic quantization of the draft's linear layers (computes in float32); "
-                            "its per-forward activation scales make a seeded sampled run differ between "
-                            "--pipeline on and off (greedy output does not)")
+    draft.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "auto"],
+                       help="quantize the draft's linear layers (CPU only): int8 = dynamic int8, computes in "
+                            "float32, and its per-forward activation scales make a seeded sampled run differ "
+                            "between --pipeline on and off (greedy output does not); int4 = 4-bit weights in "
+                            "groups of 32 with bf16 activations, fast only on a CPU with native bf16; auto = "
+                            "int4 where the CPU has native bf16, else int8 (default: %(default)s)")
     draft.add_argument("--min-confidence", type=float, default=0.0,
                        help="greedy: end a draft block after a token the draft gives a probability below this "
                             "(Hugging Face's assistant_confidence_threshold); 0 = never (default: %(default)s)")

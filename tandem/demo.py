@@ -44,7 +44,7 @@ def main(argv=None) -> int:
                              "with FBGEMM) (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per generation (default: %(default)s)")
     parser.add_argument("--pipeline", choices=["on", "off"], default="on", help="pipelined drafting")
-    parser.add_argument("--draft-args", default="--quantize int8 --vocab-subset 32768",
+    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
                         help="extra flags for `tandem serve draft` (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -1,4 +1,4 @@
-"""Draft backends: prompt lookup, the reduced head, int8 quantization, and end
+"""Draft backends: prompt lookup, the reduced head, int8 and int4 quantization, and end
 to end with each of them the output still equals the target alone."""
 import pytest
 
@@ -23,6 +23,7 @@ REPEATING = [10, 20, 30, 40, 50, 60, 10, 20, 30, 40, 50, 60, 10, 20]
     DraftOptions(backend="ngram+model", vocab_subset=64),
     DraftOptions(backend="model", vocab_subset=100),
     DraftOptions(backend="model", quantize="int8", vocab_subset=100),
+    DraftOptions(backend="model", quantize="int4", vocab_subset=100),
 ])
 def test_backends_stay_lossless_end_to_end(tiny_models, options):
     """Greedy output equals the target alone with every backend; a seeded sampled
@@ -31,9 +32,10 @@ def test_backends_stay_lossless_end_to_end(tiny_models, options):
     drafted inside a two-token catch-up gets slightly other probabilities than
     drafted alone, and the pipeline chunks the draft's input differently. (The
     rejection rule keeps the target's distribution whatever the draft's,
-    test_e2e_sampling.)"""
-    if options.quantize == "int8" and DEVICE != "cpu":
-        pytest.skip("int8 drafts run on the CPU only")
+    test_e2e_sampling.) An int4 draft quantizes weights only, so it keeps
+    the seeded equality."""
+    if options.quantize != "none" and DEVICE != "cpu":
+        pytest.skip("quantized drafts run on the CPU only")
     cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=options)
     try:
         with cluster.client() as client:
@@ -109,11 +111,85 @@ def test_int8_draft_has_one_weight_scale_per_output_channel(tiny_models):
         assert scales.max() > 1.5 * scales.min()  # rows differ, so one scale per tensor would not fit them all
 
 
-def test_int8_draft_is_refused_off_the_cpu(tiny_models):
-    """fbgemm's int8 kernels run on the CPU only: a GPU draft service asked for
-    them fails at start with words, before loading anything."""
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_draft_is_refused_off_the_cpu(tiny_models, quantize):
+    """fbgemm's int8 and aten's int4 CPU kernels run on the CPU only: a GPU draft
+    service asked for them fails at start with words, before loading anything."""
     from draft_service.server import DraftServicer
     from tandem.modeling import ModelConfig
 
     with pytest.raises(ValueError, match="CPU only"):
-        DraftServicer(ModelConfig(tiny_models["target"], device="cuda:0"), options=DraftOptions(quantize="int8"))
+        DraftServicer(ModelConfig(tiny_models["target"], device="cuda:0"), options=DraftOptions(quantize=quantize))
+
+
+def _group_dequantized(weight, group):
+    """The test's own reference: each group of `group` input channels rounded to
+    16 levels between its min and max."""
+    import torch
+
+    rows, cols = weight.shape
+    groups = weight.reshape(rows, cols // group, group)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    return (torch.round((groups - low) / step) * step + low).reshape(rows, cols), step
+
+
+@pytest.mark.parametrize("out_features,bias", [(64, True), (40, False), (24, True)])
+def test_int4_linear_computes_its_group_quantized_weights(out_features, bias):
+    """Int4Linear computes x·Wq + b with Wq the 16-level rounding of each
+    32-channel group (within bf16 rounding), Wq is within half a step of W, and
+    output widths that are not a multiple of the kernel's 16 come out whole."""
+    import torch
+
+    from draft_service.cheap import Int4Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight[:, :32] *= 10  # groups of very different ranges
+    x = torch.randn(5, 96)
+    layer = Int4Linear(linear, group=32)
+    y = layer(x)
+    assert y.shape == (5, out_features) and y.dtype == torch.bfloat16
+    weight = linear.weight.detach()
+    dequantized, step = _group_dequantized(weight, 32)
+    assert torch.all((dequantized - weight).reshape(out_features, 3, 32).abs() <= step / 2 + 1e-6)
+    reference = x.to(torch.bfloat16).float() @ dequantized.T + (linear.bias.detach() if bias else 0)
+    unquantized = x @ weight.T + (linear.bias.detach() if bias else 0)
+    error = (y.float() - reference).abs().max()
+    assert error <= 0.02 * reference.abs().max()
+    assert error < (unquantized - reference).abs().max() / 4  # it computes the rounded weights, not W
+    assert layer(x[0]).shape == (out_features,)  # any leading shape
+
+
+def test_int4_draft_quantizes_every_linear_layer_it_can(tiny_models):
+    """quantize_int4 replaces each nn.Linear whose input width is a multiple of
+    the group, keeps the others as they are, and the model still runs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draft_service.cheap import Int4Linear, quantize_int4
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.bfloat16).eval()
+    names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    quantize_int4(model, group=32)
+    layers = dict(model.named_modules())
+    assert all(type(layers[name]) is Int4Linear for name in names)
+    with torch.inference_mode():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape[:2] == (1, 3) and torch.isfinite(logits).all()
+    # a width that is not a multiple of the group stays nn.Linear
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(48, model.config.hidden_size, bias=False)
+    quantize_int4(model.model.layers[0].mlp, group=32)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+
+
+def test_quantize_auto_picks_int4_only_with_native_bf16(monkeypatch):
+    from draft_service import cheap
+    from tandem import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: True)
+    assert cheap.auto_quantize("cpu") == "int4"
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
+    assert cheap.auto_quantize("cpu") == "int8"
+    assert cheap.auto_quantize("cuda:0") == "none"
