@@ -84,11 +84,13 @@ class Int4Linear(torch.nn.Module):
         self.in_features, self.out_features, self.group = in_features, out_features, group
         padded = torch.cat([weight, weight.new_zeros((-out_features) % 16, in_features)])
         codes, scale, low = quantize_groups(padded, group)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
         # The kernel computes (code - 8) * scale + zero per weight: zero is the group's value at code 8.
         zero = low + 8 * scale
-        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out], bf16
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
