@@ -40,7 +40,7 @@ def test_backends_stay_lossless_end_to_end(tiny_models, options):
     try:
         with cluster.client() as client:
             assert client.server_info().draft_backend == options.label
-            for prompt in (REPEATING, [3, 1, 4, 1, 5, 9, 2, 6]):
+            for prompt in (REPEATING, [3, 1, 4, 1, 5, 9, 2, 6], list(range(5, 45, 2))):  # the last > 16 tokens
                 for pipeline in (False, True):
                     result = client.generate(prompt_ids=prompt, max_tokens=24, num_draft_tokens=3, pipeline=pipeline)
                     assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 24)
@@ -160,6 +160,30 @@ def test_int4_linear_computes_its_group_quantized_weights(out_features, bias):
     assert error <= 0.02 * reference.abs().max()
     assert error < (unquantized - reference).abs().max() / 4  # it computes the rounded weights, not W
     assert layer(x[0]).shape == (out_features,)  # any leading shape
+
+
+def test_int4_linear_takes_its_int8_copy_for_wide_forwards():
+    """A forward of more rows than wide_rows (a prompt's prefill) runs the
+    layer's int8 copy: the int4 kernel multiplies row by row and is several times
+    slower there. Rows up to wide_rows get the int4 result, row for row."""
+    import torch
+
+    from draft_service.cheap import Int4Linear
+
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(64, 48)
+    layer = Int4Linear(linear, group=32, wide_rows=4)
+    assert layer.wide is not None
+    x = torch.randn(9, 64)
+    exact = (x @ linear.weight.T + linear.bias).detach()
+    narrow = torch.cat([layer(x[i:i + 3]) for i in range(0, 9, 3)])  # int4
+    wide = layer(x)  # 9 rows > 4: int8
+    assert wide.shape == (9, 48) and wide.dtype == torch.bfloat16
+    int8_error = (wide.float() - exact).abs().max()
+    int4_error = (narrow.float() - exact).abs().max()
+    assert int8_error < int4_error / 2  # 256 levels per output channel against 16 per group
+    assert torch.allclose(wide.float(), layer.wide(x).float(), atol=1e-2)
+    assert Int4Linear(linear, group=32, wide_rows=None).wide is None
 
 
 def test_int4_draft_quantizes_every_linear_layer_it_can(tiny_models):
