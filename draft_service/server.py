@@ -28,7 +28,7 @@ class DraftOptions:
     backend: str = "model"  # "model", "ngram" (prompt lookup) or "ngram+model"
     vocab_subset: int = 0  # FR-Spec: score only the N most frequent tokens; 0 = all
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
-    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (weights, bf16), "auto": int4 where the CPU has native bf16, else int8
+    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (weights, bf16), "auto": int4 on a CPU with AMX, else int8
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
 
     def __post_init__(self):

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "float32, and its per-forward activation scales make a seeded sampled run differ "
                             "between --pipeline on and off (greedy output does not); int4 = 4-bit weights in "
                             "groups of 32 with bf16 activations, fast only on a CPU with native bf16; auto = "
-                            "int4 where the CPU has native bf16, else int8 (default: %(default)s)")
+                            "int4 on a CPU with AMX, else int8 (default: %(default)s)")
     draft.add_argument("--min-confidence", type=float, default=0.0,
                        help="greedy: end a draft block after a token the draft gives a probability below this "
                             "(Hugging Face's assistant_confidence_threshold); 0 = never (default: %(default)s)")

@@ -208,12 +208,12 @@ def test_int4_draft_quantizes_every_linear_layer_it_can(tiny_models):
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
 
 
-def test_quantize_auto_picks_int4_only_with_native_bf16(monkeypatch):
+def test_quantize_auto_picks_int4_only_with_amx(monkeypatch):
     from draft_service import cheap
     from tandem import cpu_kernels
 
-    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: True)
     assert cheap.auto_quantize("cpu") == "int4"
-    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: False)
     assert cheap.auto_quantize("cpu") == "int8"
     assert cheap.auto_quantize("cuda:0") == "none"
