@@ -188,8 +188,10 @@ class CallStream:
                 await stream.write(message)
             except grpc.aio.AioRpcError as err:
                 raise self._broken(stream, err) from None
-            except grpc.aio.UsageError as err:  # the stream finished meanwhile
-                raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed: {err}") from None
+            except (grpc.aio.UsageError, asyncio.InvalidStateError) as err:
+                # The stream finished (the service stopped it) before our reader saw it end.
+                error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed: {err}")
+                raise self._broken(stream, error) from None
 
     def _cancel_remote(self, stream, call_id: int) -> None:
         if stream is not self._stream:

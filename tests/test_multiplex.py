@@ -265,3 +265,47 @@ def test_a_stopping_service_ends_its_streams_once_idle(tiny_models):
             await proposer.close()
 
     assert asyncio.run(run()) < 10  # not the 30 s grace
+
+
+def test_a_call_on_a_stream_that_just_finished_fails_unavailable():
+    """A service that stops ends the stream with OK; a call written before the
+    caller's reader saw that end gets grpc's InvalidStateError from the write.
+    It fails UNAVAILABLE, as a call on a closed stream does, and the next call
+    opens a new stream (a race seen once in CI)."""
+    class Finished:
+        def __init__(self):
+            self.cancelled = False
+
+        async def write(self, message):
+            raise asyncio.InvalidStateError("RPC already finished.")
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(3600)  # the reader has not seen the end yet
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def run():
+        opened = []
+
+        def open_stream():
+            opened.append(Finished())
+            return opened[-1]
+
+        calls = multiplex.CallStream(open_stream, draft_pb2.ProposeCall, "Propose")
+        try:
+            codes = []
+            for _ in range(2):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await calls.call(draft_pb2.ProposeRequest(session_id="s"), timeout_s=5)
+                codes.append(err.value.code())
+            return codes, opened
+        finally:
+            await calls.close()
+
+    codes, opened = asyncio.run(run())
+    assert codes == [grpc.StatusCode.UNAVAILABLE] * 2
+    assert len(opened) == 2 and opened[0].cancelled  # the finished stream was dropped, a new one opened
