@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from tandem.cpu_kernels import pack_linear
+from tandem.cpu_kernels import pack_linear, replace_linears
 
 log = logging.getLogger(__name__)
 
@@ -139,16 +139,17 @@ def quantize_int4(module: torch.nn.Module, group: int = INT4_GROUP) -> torch.nn.
     """Replaces every nn.Linear of `module` whose input width is a multiple of
     `group` with an Int4Linear; the others stay as they are (logged)."""
     kept = []
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                if child.in_features % group:
-                    kept.append(name)
-                else:
-                    setattr(parent, name, Int4Linear(child, group))
+
+    def make(layer: torch.nn.Linear) -> Int4Linear | None:
+        if layer.in_features % group:
+            kept.append(layer)
+            return None
+        return Int4Linear(layer, group)
+
+    replace_linears(module, make)
     if kept:
-        log.info("int4: %d linear layers kept unquantized (input width not a multiple of %d): %s",
-                 len(kept), group, sorted(set(kept)))
+        log.info("int4: %d linear layers kept unquantized (input widths %s, not multiples of %d)",
+                 len(kept), sorted({layer.in_features for layer in kept}), group)
     return module
 
 

@@ -230,20 +230,27 @@ def pack_linear(linear: torch.nn.Linear, kernel: str = "packed") -> torch.nn.Mod
     return Fp16Linear(linear, exact) if exact is not None else PackedLinear(linear)
 
 
+def replace_linears(model: torch.nn.Module, make) -> list[torch.nn.Module]:
+    """Replaces each nn.Linear in `model` by make(layer), where that returns a
+    module (None keeps the layer); returns the replacements."""
+    made = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and (replacement := make(child)) is not None:
+                setattr(parent, name, replacement)
+                made.append(replacement)
+    return made
+
+
 def pack_linears(model: torch.nn.Module, kernel: str = "packed") -> int:
     """Replaces every nn.Linear of a float32 or bfloat16 CPU model by a PackedLinear, or for
     kernel="fp16" by an Fp16Linear where its weights convert exactly (else a
     PackedLinear); returns how many layers it replaced. A weight shared with
     another module (a tied lm_head) stays where it is for that module; the
     replacement holds its own copy."""
-    count = inexact = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                replacement = pack_linear(child, kernel)
-                inexact += kernel == "fp16" and isinstance(replacement, PackedLinear)
-                setattr(parent, name, replacement)
-                count += 1
+    made = replace_linears(model, lambda layer: pack_linear(layer, kernel))
+    count = len(made)
+    inexact = sum(isinstance(m, PackedLinear) for m in made) if kernel == "fp16" else 0
     if kernel == "fp16":
         log.info("%d linear layers on fp16 weights (FBGEMM), %d packed for oneDNN "
                  "(their weights do not convert to fp16 exactly)", count - inexact, inexact)
