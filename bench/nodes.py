@@ -34,33 +34,44 @@ def pin(cpus: set[int], threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def whole_configs(spec: str) -> list[tuple[bool, int]]:
-    """'sequential:2,pipelined:1' -> [(False, 2), (True, 1)]: (pipeline, threads per service)."""
+def whole_configs(spec: str) -> list[tuple[bool, int, int]]:
+    """'sequential:2,sequential:2/1,pipelined:1' -> [(False, 2, 2), (False, 2, 1), (True, 1, 1)]:
+    (pipeline, target threads, draft threads); MODE:N gives both services N threads."""
     configs = []
     for item in spec.split(","):
         mode, _, threads = item.strip().partition(":")
-        if mode not in ("sequential", "pipelined") or not threads.isdigit() or int(threads) < 1:
-            raise argparse.ArgumentTypeError(f"--whole-configs: expected MODE:THREADS with MODE sequential or "
-                                             f"pipelined, got {item!r}")
-        configs.append((mode == "pipelined", int(threads)))
+        target, slash, draft = threads.partition("/")
+        draft = draft if slash else target
+        if mode not in ("sequential", "pipelined") or not (target.isdigit() and draft.isdigit()) \
+                or min(int(target), int(draft)) < 1:
+            raise argparse.ArgumentTypeError(f"--whole-configs: expected MODE:THREADS or MODE:TARGET/DRAFT with MODE "
+                                             f"sequential or pipelined and thread counts >= 1, got {item!r}")
+        configs.append((mode == "pipelined", int(target), int(draft)))
     return configs
 
 
+# The int4 draft steps slower on two threads than on one on a 2-core AMX VM
+# (44-45 ms against 41 ms), so a two-thread target is also timed beside a
+# one-thread draft, sequential and pipelined (three threads on two cores: the
+# target takes the second core whenever the draft waits).
+WHOLE_CONFIGS = "sequential:2,sequential:2/1,pipelined:1,pipelined:2/1"
+
+
 def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks,
-                 whole: tuple[bool, int] | None = None) -> dict[str, ModeResult]:
+                 whole: tuple[bool, int, int] | None = None) -> dict[str, ModeResult]:
     """pinned: modes (b)-(d), each service on its own core (on a GPU: its own
     process on the one GPU); else (g), unpinned, in the configuration `whole`
-    (pipeline, threads per service)."""
+    (pipeline, target threads, draft threads)."""
     from tandem.launch import Deployment, Service
     from tandem.redis_local import ensure_redis
 
     gpu = args.device != "cpu"
-    threads = None if gpu else args.threads_per_node if pinned else whole[1]
+    threads = (None, None) if gpu else (args.threads_per_node,) * 2 if pinned else whole[1:]
     model_args = ["--dtype", args.dtype, "--device", args.device]
-    target = Service("target", ["--model", args.target, *model_args], threads=threads,
+    target = Service("target", ["--model", args.target, *model_args], threads=threads[0],
                      cpus=cpus_target if pinned and not gpu else None)
     draft = Service("draft", ["--model", args.draft, *model_args, *args.draft_args.split()],
-                    threads=threads, cpus=cpus_draft if pinned and not gpu else None)
+                    threads=threads[1], cpus=cpus_draft if pinned and not gpu else None)
     orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3",
                     "--k-min", str(args.k_min), "--k-max", str(args.k_max)]
     results = {}
@@ -82,10 +93,10 @@ def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks,
             results["d_pipelined_adaptive"] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=True)
         else:
             how = "pipelined" if whole[0] else "sequential"
-            print(f"(g) Tandem on the whole machine, unpinned, {how}, {threads} threads per service, "
-                  "adaptive k …", flush=True)
-            results[f"g_whole_machine_{how}_{threads}t"] = tandem_generate(deployment.address, prompts,
-                                                                           args.new_tokens, pipeline=whole[0])
+            print(f"(g) Tandem on the whole machine, unpinned, {how}, {threads[0]} target / {threads[1]} draft "
+                  "threads, adaptive k …", flush=True)
+            name = f"g_whole_machine_{how}_{threads[0]}t" + (f"_{threads[1]}t" if threads[1] != threads[0] else "")
+            results[name] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=whole[0])
     return results
 
 
@@ -137,10 +148,11 @@ def main(argv=None) -> int:
     parser.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
     parser.add_argument("--k-max", type=int, default=6, help="adaptive k upper bound")
     parser.add_argument("--threads-per-node", type=int, default=1, help="torch threads per pinned service")
-    parser.add_argument("--whole-configs", type=whole_configs, default=whole_configs("sequential:2,pipelined:1"),
-                        help="(g): the configurations to run Tandem in on the unpinned machine, MODE:THREADS per "
-                             "service, comma-separated; each is timed and (g) is the fastest, since which wins "
-                             "depends on how the machine scales to two threads (default: sequential:2,pipelined:1)")
+    parser.add_argument("--whole-configs", type=whole_configs, default=WHOLE_CONFIGS,
+                        help="(g): the configurations to run Tandem in on the unpinned machine, comma-separated, "
+                             "each MODE:THREADS (both services) or MODE:TARGET/DRAFT (torch threads of the target, "
+                             "of the draft); each is timed and (g) is the fastest, since which wins depends on how "
+                             "each model scales to two threads (default: %(default)s)")
     parser.add_argument("--skip", default="", help="comma-separated mode letters to skip (e.g. e,f)")
     parser.add_argument("--out", default=str(RESULTS / "nodes.json"), help="JSON output path")
     args = parser.parse_args(argv)
@@ -256,7 +268,8 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "baselines": [config_label(*c) for c in configs],
         "draft_args": args.draft_args,
-        "whole_machine": {"configs": [{"pipeline": p, "threads_per_service": t} for p, t in args.whole_configs],
+        "whole_machine": {"configs": [{"pipeline": p, "target_threads": t, "draft_threads": d}
+                                      for p, t, d in args.whole_configs],
                           "fastest": max((n for n in modes if n.startswith("g_whole_machine")),
                                          key=lambda n: modes[n].tok_s, default=None)},
         "new_tokens": args.new_tokens,

@@ -1,0 +1,20 @@
+"""The two-node benchmark's command line (bench/nodes.py): what (g) runs."""
+import argparse
+
+import pytest
+
+from bench.nodes import WHOLE_CONFIGS, whole_configs
+
+
+def test_whole_configs_give_each_service_its_threads():
+    assert whole_configs("sequential:2, pipelined:2/1,sequential:3/1") == [(False, 2, 2), (True, 2, 1), (False, 3, 1)]
+
+
+def test_the_default_whole_configs_parse():
+    assert (False, 2, 1) in whole_configs(WHOLE_CONFIGS)
+
+
+@pytest.mark.parametrize("spec", ["sequential", "pipelined:0", "pipelined:2/0", "pipelined:2/", "greedy:2", "sequential:a/1"])
+def test_bad_whole_configs_are_refused(spec):
+    with pytest.raises(argparse.ArgumentTypeError, match="--whole-configs"):
+        whole_configs(spec)
