@@ -11,7 +11,8 @@ def test_whole_configs_give_each_service_its_threads():
 
 
 def test_the_default_whole_configs_parse():
-    assert (False, 2, 1) in whole_configs(WHOLE_CONFIGS)
+    configs = whole_configs(WHOLE_CONFIGS)  # argparse parses the default on every run, --help included
+    assert configs and all(target >= 1 and draft >= 1 for _, target, draft in configs)
 
 
 @pytest.mark.parametrize("spec", ["sequential", "pipelined:0", "pipelined:2/0", "pipelined:2/", "greedy:2", "sequential:a/1"])
