@@ -187,11 +187,19 @@ class CallStream:
             try:
                 await stream.write(message)
             except grpc.aio.AioRpcError as err:
-                raise self._broken(stream, err) from None
+                if err.code() != grpc.StatusCode.INTERNAL:
+                    raise self._broken(stream, err) from None
+                # grpc fails a send on a call whose other side has already finished
+                # with a local INTERNAL ("Failed execute_batch"): the race below.
+                raise self._broken(stream, self._closed(err.details())) from None
             except (grpc.aio.UsageError, asyncio.InvalidStateError) as err:
                 # The stream finished (the service stopped it) before our reader saw it end.
-                error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed: {err}")
-                raise self._broken(stream, error) from None
+                raise self._broken(stream, self._closed(err)) from None
+
+    def _closed(self, why) -> grpc.aio.AioRpcError:
+        """A call written on a stream that had finished: it never reached the
+        service, so it fails UNAVAILABLE, as a call on a closed stream does."""
+        return _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed: {why}")
 
     def _cancel_remote(self, stream, call_id: int) -> None:
         if stream is not self._stream:

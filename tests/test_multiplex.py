@@ -267,17 +267,22 @@ def test_a_stopping_service_ends_its_streams_once_idle(tiny_models):
     assert asyncio.run(run()) < 10  # not the 30 s grace
 
 
-def test_a_call_on_a_stream_that_just_finished_fails_unavailable():
+@pytest.mark.parametrize("failure", [
+    asyncio.InvalidStateError("RPC already finished."),  # grpc saw the call finish before the write
+    multiplex._rpc_error(grpc.StatusCode.INTERNAL, "Internal error from Core"),  # the send itself failed
+])
+def test_a_call_on_a_stream_that_just_finished_fails_unavailable(failure):
     """A service that stops ends the stream with OK; a call written before the
-    caller's reader saw that end gets grpc's InvalidStateError from the write.
-    It fails UNAVAILABLE, as a call on a closed stream does, and the next call
-    opens a new stream (a race seen once in CI)."""
+    caller's reader saw that end fails in the write, with grpc's
+    InvalidStateError or, when the send itself fails, a local INTERNAL. Either
+    way it fails UNAVAILABLE, as a call on a closed stream does, and the next
+    call opens a new stream (races seen in CI, once each)."""
     class Finished:
         def __init__(self):
             self.cancelled = False
 
         async def write(self, message):
-            raise asyncio.InvalidStateError("RPC already finished.")
+            raise failure
 
         def __aiter__(self):
             return self
