@@ -189,8 +189,9 @@ class CallStream:
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.INTERNAL:
                     raise self._broken(stream, err) from None
-                # grpc fails a send on a call whose other side has already finished
-                # with a local INTERNAL ("Failed execute_batch"): the race below.
+                # grpc fails a send on a call that has already finished with a
+                # local INTERNAL ("Failed execute_batch"): the race handled below,
+                # caught one step later.
                 raise self._broken(stream, self._closed(err.details())) from None
             except (grpc.aio.UsageError, asyncio.InvalidStateError) as err:
                 # The stream finished (the service stopped it) before our reader saw it end.
