@@ -187,12 +187,11 @@ class CallStream:
             try:
                 await stream.write(message)
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.INTERNAL:
-                    raise self._broken(stream, err) from None
                 # grpc fails a send on a call that has already finished with a
                 # local INTERNAL ("Failed execute_batch"): the race handled below,
                 # caught one step later.
-                raise self._broken(stream, self._closed(err.details())) from None
+                error = self._closed(err.details()) if err.code() == grpc.StatusCode.INTERNAL else err
+                raise self._broken(stream, error) from None
             except (grpc.aio.UsageError, asyncio.InvalidStateError) as err:
                 # The stream finished (the service stopped it) before our reader saw it end.
                 raise self._broken(stream, self._closed(err)) from None
