@@ -4,7 +4,6 @@ through its three services. Writes bench/results/latest.json."""
 from __future__ import annotations
 
 import argparse
-import os
 import gc
 import logging
 import sys
@@ -13,9 +12,6 @@ from pathlib import Path
 import torch
 
 from bench.common import PROMPTS, RESULTS, baselines, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype, table, tandem_generate, write
-
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
 
 
 def main(argv=None) -> int:

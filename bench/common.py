@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import statistics
 import time
@@ -184,8 +185,11 @@ def count_identical(result: ModeResult, reference: ModeResult) -> int:
 
 def machine() -> dict:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    # The baselines run in this process under these (unset: libgomp's defaults);
+    # Tandem's services set their own when unset (tandem.cli).
+    openmp = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     return {"platform": platform.platform(), "processor": platform.processor(), "cpus": torch.get_num_threads(),
-            "torch": torch.__version__, "gpu": gpu}
+            "torch": torch.__version__, "gpu": gpu, "openmp_env": openmp}
 
 
 def write(path: Path, payload: dict) -> None:

@@ -19,8 +19,6 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
-
 import torch
 
 from bench.common import (PROMPTS, RESULTS, ModeResult, baselines, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype,

@@ -10,7 +10,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
-from tandem.modeling import ModelConfig, ModelRunner, load, load_identity
+from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load, load_identity
 from tandem.session_cache import NullKV, SessionCacheStore
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tandem.wire import encode_distribution, sampling_from_proto
@@ -59,6 +59,24 @@ def _special_ids(info) -> set[int]:
     return special
 
 
+def _load_draft(model: ModelConfig, options: DraftOptions) -> tuple[LoadedModel, ReducedHead | None]:
+    """The draft model made cheap as `options` say, and its reduced head if any."""
+    info = load(model, pack=False)
+    lm_head = info.model.get_output_embeddings().weight.detach()  # before quantization replaces it
+    if options.quantize == "int8":
+        info = replace(info, model=quantize_int8(info.model))
+    elif options.quantize == "int4":
+        info = replace(info, model=quantize_int4(info.model))
+    elif model.packed:
+        pack_linears(info.model, model.kernel)
+    head = None
+    if options.vocab_subset:
+        ids = frequent_token_ids(info.vocab_size, options.vocab_subset, list(_special_ids(info)))
+        head = ReducedHead(lm_head, ids, quantize=options.quantize, kernel=model.kernel)
+        log.info("reduced draft head: %d of %d tokens", len(ids), info.vocab_size)
+    return info, head
+
+
 class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
     role = "draft"
 
@@ -71,7 +89,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if options.backend == "ngram":
             info = load_identity(model)
             store = SessionCacheStore(NullKV, budget, cache.session_ttl_s)
-            super().__init__(info, store, "draft-ngram")
+            super().__init__(info, store, serving.ModelWorker("draft-ngram"))
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
             return
         if options.quantize != "none" and model.device != "cpu":
@@ -84,22 +102,11 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if options.quantize == "int4" and not native_bf16():
             log.warning("--quantize int4 on a CPU without native bf16: its int4 kernel is slow here; "
                         "--quantize int8 (or auto) is faster")
-        info = load(model, pack=False)
-        lm_head = info.model.get_output_embeddings().weight.detach()  # before quantization replaces it
-        if options.quantize == "int8":
-            info = replace(info, model=quantize_int8(info.model))
-        elif options.quantize == "int4":
-            info = replace(info, model=quantize_int4(info.model))
-        elif model.packed:
-            pack_linears(info.model, model.kernel)
+        worker = serving.ModelWorker("draft-model")
+        info, head = worker.start_up(_load_draft, model, options)
         runner = ModelRunner(info, model.device)
         store = SessionCacheStore(runner.new_cache, budget, cache.session_ttl_s)
-        super().__init__(info, store, "draft-model")
-        head = None
-        if options.vocab_subset:
-            ids = frequent_token_ids(info.vocab_size, options.vocab_subset, list(_special_ids(info)))
-            head = ReducedHead(lm_head, ids, quantize=options.quantize, kernel=model.kernel)
-            log.info("reduced draft head: %d of %d tokens", len(ids), info.vocab_size)
+        super().__init__(info, store, worker)
         if options.backend == "ngram+model":
             self.drafter = NgramModelDrafter(runner, store, head, options.ngram_max, options.min_confidence)
         else:

@@ -3,7 +3,6 @@ completion, a two-turn chat, and the speed against the target alone."""
 from __future__ import annotations
 
 import argparse
-import os
 import logging
 import sys
 import time
@@ -29,9 +28,6 @@ def target_alone(model: str, dtype: str, linear: str, prompt_ids: list[int], new
                              min_new_tokens=new_tokens, do_sample=False)
         elapsed = time.perf_counter() - start
     return out[0, len(prompt_ids):].tolist(), new_tokens / elapsed
-
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tandem.cli
 
 
 def main(argv=None) -> int:

@@ -37,10 +37,10 @@ class ModelServiceBase:
     backend = "model"
     role = "model"  # "draft" or "target": names spans and labels metrics
 
-    def __init__(self, info: LoadedModel | None, store: SessionCacheStore, worker_name: str):
+    def __init__(self, info: LoadedModel | None, store: SessionCacheStore, worker: serving.ModelWorker):
         self.info = info
         self.store = store
-        self.worker = serving.ModelWorker(worker_name)
+        self.worker = worker  # the thread that built the model (ModelWorker.start_up) and runs it
         self.prefill_tokens = 0
         self.calls = 0
         self.draining = asyncio.Event()  # set on SIGTERM: streams end once their calls are answered

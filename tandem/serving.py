@@ -89,11 +89,22 @@ class ModelWorker:
     """One thread that owns the model: calls run one at a time, in arrival order.
 
     A cancelled call that has not started never runs; one that has started sees
-    its `cancelled` event set and may stop early (between draft steps)."""
+    its `cancelled` event set and may stop early (between draft steps).
+
+    The model is built on this thread too (start_up), so that one thread of the
+    process runs OpenMP parallel regions. libgomp gives each such thread a pool
+    of its own, and once its threads outnumber the cores it cuts every idle
+    thread's spin to almost nothing: a model loaded on the main thread and run
+    here made two torch threads spin-wait as if OMP_WAIT_POLICY were PASSIVE
+    (tandem.cli has the figures)."""
 
     def __init__(self, name: str):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.queue_depth = 0
+
+    def start_up(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the worker thread, waited for: loading the model before serving."""
+        return self._executor.submit(fn, *args).result()
 
     async def run(self, fn: Callable[..., T], *args, cancelled: threading.Event | None = None,
                   span: str | None = None) -> T:

@@ -21,10 +21,11 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
     role = "target"
 
     def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig()):
-        info = load(model)
+        worker = serving.ModelWorker("target-model")
+        info = worker.start_up(load, model)
         runner = ModelRunner(info, model.device)
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
-        super().__init__(info, store, "target-model")
+        super().__init__(info, store, worker)
         self.verifier = Verifier(runner, store)
 
     def _call(self, request) -> VerifyCall:
