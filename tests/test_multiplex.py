@@ -2,6 +2,7 @@
 and the same errors as the unary rpcs, concurrent calls kept apart, clean
 cancellation, and a new stream after the service comes back."""
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -113,6 +114,22 @@ class _Handler:
             raise KeyError("oops")
         assert dict(context.invocation_metadata()) == {"traceparent": "00-abc"}
         return draft_pb2.ProposeReply(tokens=[len(request.new_tokens)])
+
+
+def test_a_model_worker_builds_and_runs_on_one_thread():
+    """A service builds its model with ModelWorker.start_up and runs it with
+    run(): both on the worker's one thread, never the caller's, so that one
+    thread of the process runs OpenMP (tandem.serving.ModelWorker)."""
+    worker = serving.ModelWorker("test-model")
+    try:
+        built_on = worker.start_up(threading.get_ident)
+
+        async def run_on():
+            return await worker.run(threading.get_ident)
+
+        assert asyncio.run(run_on()) == built_on != threading.get_ident()
+    finally:
+        worker.shutdown()
 
 
 def test_serve_calls_cancels_answers_and_drains():
