@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import PROMPTS, RESULTS, baselines, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype, table, tandem_generate, write
+from bench.common import (PROMPTS, RESULTS, baselines, count_identical, hf_assisted_config, hf_generate, load_hf, machine,
+                          prompt_ids, resolve_dtype, table, tandem_generate, write)
 
 
 def main(argv=None) -> int:
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
         "target_only_tok_s": fastest.tok_s,  # the fastest target alone over the configurations tried
         "target_only_tok_s_by_config": {args.dtype: target_only.tok_s, **{d: r.tok_s for d, r in other_targets.items()}},
         "hf_assisted_tok_s": hf_assisted.tok_s,
+        "hf_assisted": hf_assisted_config(args.k),
         "tandem_tok_s": tandem.tok_s,
         "speedup_vs_target_only": tandem.tok_s / fastest.tok_s,
         "speedup_vs_hf_assisted": tandem.tok_s / hf_assisted.tok_s,

@@ -87,18 +87,31 @@ def baselines(dtype: str, extra: str = "", device: str = "cpu") -> list[tuple[st
     return configs
 
 
+def hf_assisted_config(k: int) -> dict:
+    """How HF assisted generation runs in the benchmarks, set on the assistant's
+    generation config rather than left to transformers' defaults, which move
+    between versions: k tokens a block, and a block ends early after a token the
+    assistant gives less than 0.4 (transformers' default in 5.x, applied where
+    the model's own config leaves it unset; transformers retunes it between
+    blocks when scikit-learn is installed, which Tandem does not install)."""
+    return dict(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=0.4)
+
+
 def hf_generate(model, prompts: dict[str, list[int]], new_tokens: int, assistant=None, k: int = 4) -> ModeResult:
-    """Greedy HF generate over the prompts (assisted when `assistant` is given),
-    after an untimed warm-up on each prompt, as the Tandem modes get."""
+    """Greedy HF generate over the prompts (assisted when `assistant` is given,
+    as hf_assisted_config(k) says), after an untimed warm-up on each prompt, as
+    the Tandem modes get."""
     result = ModeResult()
+    if assistant is not None:
+        for name, value in hf_assisted_config(k).items():
+            setattr(assistant.generation_config, name, value)
 
     def generate(ids, max_new_tokens):
         x = torch.tensor([ids], device=model.device)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(x))
         if assistant is not None:
             kwargs["assistant_model"] = assistant
-            assistant.generation_config.num_assistant_tokens = k
-            assistant.generation_config.num_assistant_tokens_schedule = "constant"
         with torch.inference_mode():
             return model.generate(x, **kwargs)
 

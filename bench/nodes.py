@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (PROMPTS, RESULTS, ModeResult, baselines, count_identical, hf_generate, load_hf, machine, prompt_ids, resolve_dtype,
-                          table, tandem_generate, write)
+from bench.common import (PROMPTS, RESULTS, ModeResult, baselines, count_identical, hf_assisted_config, hf_generate, load_hf,
+                          machine, prompt_ids, resolve_dtype, table, tandem_generate, write)
 
 log = logging.getLogger("bench.nodes")
 
@@ -52,6 +52,7 @@ def whole_configs(spec: str) -> list[tuple[bool, int, int]]:
 # on a 2-core AMX VM, where the int4 draft steps slower on two threads (44 ms
 # against 42 ms); in one full run it was not faster than these (README).
 WHOLE_CONFIGS = "sequential:2,pipelined:1"
+HF_ASSISTED_K = 3  # mode (f)
 
 
 def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks,
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
         if "f" not in skip and i == 0:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
             print(f"(f) HF assisted in-process, {'on the GPU' if gpu else 'both cores'}, {label} …", flush=True)
             draft = load_hf(draft_path, dtype, linear, args.device)
-            modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft, k=3)
+            modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft,
+                                                            k=HF_ASSISTED_K)
             del draft
         del target
         gc.collect()
@@ -265,6 +267,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "baselines": [config_label(*c) for c in configs],
         "draft_args": args.draft_args,
+        "hf_assisted": hf_assisted_config(HF_ASSISTED_K),
         "whole_machine": {"configs": [{"pipeline": p, "target_threads": t, "draft_threads": d}
                                       for p, t, d in args.whole_configs],
                           "fastest": max((n for n in modes if n.startswith("g_whole_machine")),

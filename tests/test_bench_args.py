@@ -1,4 +1,4 @@
-"""The two-node benchmark's command line (bench/nodes.py): what (g) runs."""
+"""The benchmarks' settings (bench/nodes.py, bench/common.py): what (g) runs, and how (f) runs."""
 import argparse
 
 import pytest
@@ -19,3 +19,20 @@ def test_the_default_whole_configs_parse():
 def test_bad_whole_configs_are_refused(spec):
     with pytest.raises(argparse.ArgumentTypeError, match="--whole-configs"):
         whole_configs(spec)
+
+
+def test_hf_assisted_runs_as_configured_and_keeps_the_target_output(tiny_models):
+    """Mode (f), the baseline (g) is measured against: HF assisted generation
+    with the settings the JSON records (not transformers' moving defaults),
+    greedy, so its tokens are the target alone's."""
+    from bench.common import hf_assisted_config, hf_generate, load_hf
+
+    target = load_hf(tiny_models["target"], "float32")
+    assistant = load_hf(tiny_models["other"], "float32")
+    prompts = {"a": [5, 9, 17, 3], "b": [40, 2, 2, 7, 99, 11]}
+    alone = hf_generate(target, prompts, 24)
+    assisted = hf_generate(target, prompts, 24, assistant=assistant, k=3)
+    for name, value in hf_assisted_config(3).items():
+        assert getattr(assistant.generation_config, name) == value
+    assert assisted.outputs == alone.outputs
+    assert all(len(tokens) == 24 for tokens in assisted.outputs.values())
