@@ -74,8 +74,10 @@ def auto_dtype(device: str) -> str:
     module docstring's measurements). Else float32 on fp16-weight layers where
     FBGEMM has them, even where the CPU has native bf16 without AMX: on a 2-core
     AVX512-BF16 EPYC, one thread, the default target alone decoded 8.64 tok/s
-    against 4.30 in bf16 on nn.Linear (2 prompts × 48 tokens). Else bfloat16
-    with native bf16, float32 (packed) without."""
+    against 4.30 in bf16 on nn.Linear (2 prompts × 48 tokens), and on a Zen 4
+    EPYC with AVX512-BF16 packed bf16 verified 4-6 tokens for less but decoded
+    one slower, and pipelined Tandem ran no faster in it (9.45 tok/s against
+    9.62, README). Else bfloat16 with native bf16, float32 (packed) without."""
     if device.startswith("cuda"):
         return "bfloat16"
     if amx_bf16() and packed_available():
