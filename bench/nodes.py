@@ -50,7 +50,7 @@ def whole_configs(spec: str) -> list[tuple[bool, int, int]]:
 
 # A two-thread target beside a one-thread draft (MODE:2/1) was timed as well
 # on a 2-core AMX VM, where the int4 draft steps slower on two threads (44 ms
-# against 42 ms); in one full run it was not faster than these (README).
+# against 42 ms); in one full run it was not faster than these (bench/RESULTS.md).
 WHOLE_CONFIGS = "sequential:2,pipelined:1"
 HF_ASSISTED_K = 3  # mode (f)
 

@@ -66,7 +66,7 @@ def auto_quantize(device: str) -> str:
     """--quantize auto: int4 on a CPU with AMX, where it was measured faster;
     int8 on other CPUs (the int4 kernel needs native bf16 to be fast at all, and
     on a Zen 4 EPYC with AVX512-BF16 but no AMX it stepped in 34.5-36.4 ms
-    against int8's 30.3-33.8, with the same pipelined tok/s: README); none on a GPU."""
+    against int8's 30.3-33.8, with the same pipelined tok/s: bench/RESULTS.md); none on a GPU."""
     from tandem.cpu_kernels import amx_bf16
 
     if device != "cpu":

@@ -77,7 +77,7 @@ def auto_dtype(device: str) -> str:
     against 4.30 in bf16 on nn.Linear (2 prompts × 48 tokens), and on a Zen 4
     EPYC with AVX512-BF16 packed bf16 verified 4-6 tokens for less but decoded
     one slower, and pipelined Tandem ran no faster in it (9.45 tok/s against
-    9.62, README). Else bfloat16 with native bf16, float32 (packed) without."""
+    9.62, bench/RESULTS.md). Else bfloat16 with native bf16, float32 (packed) without."""
     if device.startswith("cuda"):
         return "bfloat16"
     if amx_bf16() and packed_available():
