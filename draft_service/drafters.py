@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from draft_service.cheap import ReducedHead
+from draft_service.lean import LeanRunner
 from draft_service.ngram import lookup
 from tandem import rng
 from tandem.modeling import ModelRunner
@@ -118,7 +119,7 @@ class ModelDrafter:
     half-run step's keys and values are cropped off
     (SessionCache.drop_partial_step)."""
 
-    def __init__(self, runner: ModelRunner, store: SessionCacheStore, head: ReducedHead | None = None,
+    def __init__(self, runner: ModelRunner | LeanRunner, store: SessionCacheStore, head: ReducedHead | None = None,
                  min_confidence: float = 0.0):
         self.runner = runner
         self.store = store
@@ -126,10 +127,13 @@ class ModelDrafter:
         self.min_confidence = min_confidence
         self.vocab_size = runner.loaded.vocab_size
         self._cancelled: threading.Event | None = None  # of the call running on the worker thread
-        for layer in decoder_layers(runner.model):
-            layer.register_forward_pre_hook(self._abort_if_cancelled)
+        if hasattr(runner, "before_layer"):  # draft_service.lean.LeanRunner
+            runner.before_layer = self._abort_if_cancelled
+        else:
+            for layer in decoder_layers(runner.model):
+                layer.register_forward_pre_hook(lambda module, args: self._abort_if_cancelled())
 
-    def _abort_if_cancelled(self, module, args) -> None:
+    def _abort_if_cancelled(self) -> None:
         if self._cancelled is not None and self._cancelled.is_set():
             raise StepAborted
 
@@ -200,7 +204,7 @@ class NgramModelDrafter(ModelDrafter):
     model's KV lags behind the history while n-grams hit, and catches up in one
     forward when it is needed."""
 
-    def __init__(self, runner: ModelRunner, store: SessionCacheStore, head: ReducedHead | None = None,
+    def __init__(self, runner: ModelRunner | LeanRunner, store: SessionCacheStore, head: ReducedHead | None = None,
                  ngram_max: int = 4, min_confidence: float = 0.0):
         super().__init__(runner, store, head, min_confidence)
         self.ngram = NgramDrafter(store, self.vocab_size, ngram_max)

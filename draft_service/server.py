@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from draft_service.cheap import QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, quantize_int4, quantize_int8
+from draft_service.lean import LEAN_STEP, lean_runner
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears
@@ -30,6 +31,7 @@ class DraftOptions:
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
     quantize: str = "none"  # "int8" (dynamic, float32), "int4" (weights, bf16), "auto": int4 on a CPU with AMX, else int8
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
+    lean_step: str = "auto"  # draft_service.lean: "on", "off", "auto" (on a CPU, for the models it supports)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -40,6 +42,8 @@ class DraftOptions:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
+        if self.lean_step not in LEAN_STEP:
+            raise ValueError(f"lean_step must be one of {LEAN_STEP}, got {self.lean_step!r}")
 
     @property
     def label(self) -> str:
@@ -104,7 +108,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                         "--quantize int8 (or auto) is faster")
         worker = serving.ModelWorker("draft-model")
         info, head = worker.start_up(_load_draft, model, options)
-        runner = ModelRunner(info, model.device)
+        runner = lean_runner(info, model.device, options.lean_step) or ModelRunner(info, model.device)
         store = SessionCacheStore(runner.new_cache, budget, cache.session_ttl_s)
         super().__init__(info, store, worker)
         if options.backend == "ngram+model":

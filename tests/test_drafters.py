@@ -22,6 +22,7 @@ REPEATING = [10, 20, 30, 40, 50, 60, 10, 20, 30, 40, 50, 60, 10, 20]
     DraftOptions(backend="ngram"),
     DraftOptions(backend="ngram+model", vocab_subset=64),
     DraftOptions(backend="model", vocab_subset=100),
+    DraftOptions(backend="model", vocab_subset=100, lean_step="off"),  # Hugging Face's forward
     DraftOptions(backend="model", quantize="int8", vocab_subset=100),
     DraftOptions(backend="model", quantize="int4", vocab_subset=100),
 ])

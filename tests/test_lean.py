@@ -1,0 +1,124 @@
+"""The draft's lean forward (draft_service/lean.py) computes what Hugging Face's
+forward computes, on its own preallocated cache, and falls back where it cannot."""
+import threading
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from draft_service.drafters import ModelDrafter
+from draft_service.lean import LeanRunner, StaticKV, lean_runner, unsupported
+from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
+from tandem.session_cache import SessionCacheStore
+from tests.test_decoder import _propose_call
+
+
+def _loaded(model) -> LoadedModel:
+    return LoadedModel(model=model.eval(), tokenizer=None, model_id="test", tokenizer_fingerprint="",
+                       vocab_size=model.config.vocab_size, max_context=512, eos_token_ids=())
+
+
+def _tiny_llama() -> LoadedModel:
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=1, max_position_embeddings=512,
+                         initializer_range=0.2, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    return _loaded(LlamaForCausalLM(config))
+
+
+def _same_steps(loaded: LoadedModel, chunks: list[list[int]], crop_after: int | None = None) -> None:
+    """Feeds the chunks through both runners, each on its own cache; the logits of
+    every position and the last hidden state agree."""
+    hf, lean = ModelRunner(loaded, "cpu"), LeanRunner(loaded, "cpu")
+    hf_kv, lean_kv = hf.new_cache(), lean.new_cache()
+    for i, chunk in enumerate(chunks):
+        expected = hf.forward(hf_kv, chunk, logits_to_keep=len(chunk))  # [T, vocab]
+        got = lean.forward(lean_kv, chunk, logits_to_keep=len(chunk))
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert lean_kv.get_seq_length() == hf_kv.get_seq_length()
+        if crop_after == i:
+            hf_kv.crop(-2)
+            lean_kv.crop(-2)
+    probe = [5, 6]
+    torch.testing.assert_close(lean.last_hidden(lean_kv, probe), hf.last_hidden(hf_kv, probe), atol=1e-4, rtol=1e-4)
+
+
+def test_lean_forward_equals_hugging_face_on_qwen2(tiny_models):
+    """Prompt (a causal block), single steps, a catch-up block, and a crop: the
+    tiny Qwen2 (grouped-query attention, q/k/v biases) on fp16-weight layers."""
+    loaded = load(ModelConfig(tiny_models["other"], dtype="float32"))
+    assert unsupported(loaded.model) is None
+    _same_steps(loaded, [[4, 8, 15, 16, 23, 42, 7], [9], [11], [2, 3, 1], [17]], crop_after=3)
+
+
+def test_lean_forward_equals_hugging_face_on_llama_with_scaled_rope():
+    _same_steps(_tiny_llama(), [[1, 2, 3, 4, 5], [6], [7, 8], [9]], crop_after=1)
+
+
+def test_the_cache_grows_and_keeps_what_it_held(tiny_models):
+    """200 tokens fit the first 256 positions; a 100-token catch-up doubles the
+    cache and copies them over."""
+    loaded = load(ModelConfig(tiny_models["other"], dtype="float32"))
+    prompt = [(7 * i) % 120 + 1 for i in range(200)]
+    _same_steps(loaded, [prompt, [3], [(5 * i) % 100 + 2 for i in range(100)], [8]])
+
+
+def test_static_kv_crops_as_dynamic_cache_does():
+    kv = StaticKV(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    kv.reserve(10)
+    assert kv.keys.shape == (2, 1, 256, 4)
+    kv.length = 10
+    kv.crop(-3)
+    assert kv.get_seq_length() == 7
+    kv.crop(5)  # a positive argument keeps that many
+    assert kv.get_seq_length() == 5
+    kv.crop(-9)
+    assert kv.get_seq_length() == 0
+    assert kv.nbytes() == 2 * 2 * 256 * 4 * 4
+
+
+def test_unsupported_models_fall_back_or_are_refused():
+    torch.manual_seed(0)
+    gpt2 = _loaded(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)))
+    assert "gpt2" in unsupported(gpt2.model)
+    assert lean_runner(gpt2, "cpu", "auto") is None
+    with pytest.raises(ValueError, match="not supported: model type 'gpt2'"):
+        lean_runner(gpt2, "cpu", "on")
+    llama = _tiny_llama()
+    assert isinstance(lean_runner(llama, "cpu", "auto"), LeanRunner)
+    assert lean_runner(llama, "cpu", "off") is None
+    assert lean_runner(llama, "cuda:0", "auto") is None  # not measured on a GPU: opt in with "on"
+    with pytest.raises(ValueError, match="lean_step"):
+        lean_runner(llama, "cpu", "fast")
+
+
+def test_a_cancelled_lean_draft_stops_between_layers_and_its_cache_goes_on_exactly(tiny_models):
+    """As test_decoder's test of the same name, on the lean forward: the third
+    step is cancelled before its second layer; the next call on the session
+    drafts exactly what an uncancelled draft would have."""
+    loaded = load(ModelConfig(tiny_models["other"], dtype="float32"))
+    runner = LeanRunner(loaded, "cpu")
+    drafter = ModelDrafter(runner, SessionCacheStore(runner.new_cache))
+    prompt = [4, 8, 15, 16, 23, 42]
+    never = threading.Event()
+    reference = drafter.propose(_propose_call("ref", [], prompt, 6), never).tokens
+    assert len(reference) == 6
+
+    check, calls, cancelled = runner.before_layer, [], threading.Event()
+
+    def counting_check():
+        calls.append(1)
+        if len(calls) == 6:  # two layers a step: the third step's second layer
+            cancelled.set()
+        check()
+
+    runner.before_layer = counting_check
+    proposal = drafter.propose(_propose_call("s", [], prompt, 6), cancelled)
+    runner.before_layer = check
+    assert proposal.tokens == reference[:2]
+    assert len(calls) == 6
+    cache = drafter.store._sessions["s"]
+    assert cache.kv_len == len(prompt) + 1 == cache.kv.get_seq_length()
+    after = drafter.propose(_propose_call("s", prompt + reference[:1], reference[1:2], 4), never)
+    assert after.tokens == reference[2:6]
