@@ -119,9 +119,10 @@ class StaticKV:
         return self.length
 
     def crop(self, tokens_to_remove: int) -> None:
-        """DynamicCache.crop's contract: a negative argument drops that many
-        tokens, a positive one keeps that many."""
-        self.length = max(0, self.length + tokens_to_remove) if tokens_to_remove < 0 else min(self.length, tokens_to_remove)
+        """As DynamicCache.crop in transformers 5.24: crop(-n) drops the last n tokens."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to drop, got {tokens_to_remove}")
+        self.length = max(0, self.length + tokens_to_remove)
 
     def drop_partial_step(self, length: int) -> None:
         """After a forward stopped between layers: its writes lie past `length`

@@ -65,14 +65,15 @@ def test_the_cache_grows_and_keeps_what_it_held(tiny_models):
 
 
 def test_static_kv_crops_as_dynamic_cache_does():
+    """crop(-n) drops n tokens (never below none); the bytes are the capacity's."""
     kv = StaticKV(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
     kv.reserve(10)
     assert kv.keys.shape == (2, 1, 256, 4)
     kv.length = 10
     kv.crop(-3)
     assert kv.get_seq_length() == 7
-    kv.crop(5)  # a positive argument keeps that many
-    assert kv.get_seq_length() == 5
+    with pytest.raises(ValueError):
+        kv.crop(5)
     kv.crop(-9)
     assert kv.get_seq_length() == 0
     assert kv.nbytes() == 2 * 2 * 256 * 4 * 4
