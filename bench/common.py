@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -220,7 +221,7 @@ def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
 
     for name, r in rows:
         lines.append(
-            f"{name:<34}{r.tok_s:>8.2f}{r.tok_s / baseline.tok_s:>8.2f}x{fmt(r.acceptance_rate, '7.2f')}"
+            f"{name:<34}{r.tok_s:>8.2f}{math.floor(r.tok_s / baseline.tok_s * 100) / 100:>8.2f}x{fmt(r.acceptance_rate, '7.2f')}"
             f"{fmt(r.tokens_per_round, '9.2f')}{fmt(r.theory_tokens_per_round, '8.2f')}{fmt(r.mean_k, '6.1f')}"
             f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}{fmt(r.handover_ms_per_round_p50, '6.1f')}"
             f"{fmt(r.verify_ms_p50, '8.0f')}{fmt(r.draft_step_ms_p50, '6.0f')}{fmt(r.ceiling_tok_s, '7.2f')}"
