@@ -108,7 +108,11 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                         "--quantize int8 (or auto) is faster")
         worker = serving.ModelWorker("draft-model")
         info, head = worker.start_up(_load_draft, model, options)
-        runner = lean_runner(info, model.device, options.lean_step) or ModelRunner(info, model.device)
+        runner = lean_runner(info, model.device, options.lean_step)
+        if runner is None:
+            runner = ModelRunner(info, model.device)
+        else:
+            self.backend += "/lean"
         store = SessionCacheStore(runner.new_cache, budget, cache.session_ttl_s)
         super().__init__(info, store, worker)
         if options.backend == "ngram+model":
