@@ -189,6 +189,11 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     return result
 
 
+def cut(ratio: float) -> float:
+    """A ratio cut to two decimals, never rounded up (1.4298 -> 1.42)."""
+    return math.floor(ratio * 100) / 100
+
+
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -221,7 +226,7 @@ def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
 
     for name, r in rows:
         lines.append(
-            f"{name:<34}{r.tok_s:>8.2f}{math.floor(r.tok_s / baseline.tok_s * 100) / 100:>8.2f}x{fmt(r.acceptance_rate, '7.2f')}"
+            f"{name:<34}{r.tok_s:>8.2f}{cut(r.tok_s / baseline.tok_s):>8.2f}x{fmt(r.acceptance_rate, '7.2f')}"
             f"{fmt(r.tokens_per_round, '9.2f')}{fmt(r.theory_tokens_per_round, '8.2f')}{fmt(r.mean_k, '6.1f')}"
             f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}{fmt(r.handover_ms_per_round_p50, '6.1f')}"
             f"{fmt(r.verify_ms_p50, '8.0f')}{fmt(r.draft_step_ms_p50, '6.0f')}{fmt(r.ceiling_tok_s, '7.2f')}"

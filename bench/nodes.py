@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import math
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-from bench.common import (PROMPTS, RESULTS, ModeResult, baselines, count_identical, hf_assisted_config, hf_generate, load_hf,
-                          machine, prompt_ids, resolve_dtype, table, tandem_generate, write)
+from bench.common import (PROMPTS, RESULTS, ModeResult, baselines, count_identical, cut, hf_assisted_config,
+                          hf_generate, load_hf, machine, prompt_ids, resolve_dtype, table, tandem_generate, write)
 
 log = logging.getLogger("bench.nodes")
 
@@ -243,7 +242,7 @@ def main(argv=None) -> int:
     if sequential.verify_ms_p50:
         print(f"a verify of {sequential.mean_k:.0f}+1 tokens (b) costs {sequential.verify_ms_p50 / ms_per_token:.2f} "
               f"one-token decodes of the fastest target alone ({ms_per_token:.0f} ms); the pipelined ceiling (d) is "
-              f"{math.floor((adaptive.ceiling_tok_s or 0) / baseline.tok_s * 100) / 100:.2f}x the target alone on one node")
+              f"{cut((adaptive.ceiling_tok_s or 0) / baseline.tok_s):.2f}x the target alone on one node")
     payload = {
         "modes": {name: {k: v for k, v in vars(r).items() if k != "outputs"} for name, r in modes.items()},
         "speedup_pipelined_vs_target_one_node": ratio("d_pipelined_adaptive", "a_target_one_core"),

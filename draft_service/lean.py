@@ -43,12 +43,14 @@ def unsupported(model: torch.nn.Module) -> str | None:
     if getattr(config, "use_sliding_window", False):
         return "sliding-window attention"
     base = model.base_model
+    if not getattr(base, "layers", None):
+        return "no decoder layers"
     rotary = getattr(base, "rotary_emb", None)
     if rotary is None or not hasattr(rotary, "inv_freq"):
         return "no rotary embedding with a fixed inv_freq"
     if getattr(rotary, "rope_type", "default") not in ROPE_TYPES:
         return f"rope type {rotary.rope_type!r}"
-    for layer in getattr(base, "layers", ()):
+    for layer in base.layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         if attention is None or not all(hasattr(attention, n) for n in names):
@@ -57,8 +59,6 @@ def unsupported(model: torch.nn.Module) -> str | None:
             return "query/key norms"
         if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return "MLP without gate/up/down projections"
-    if not getattr(base, "layers", None):
-        return "no decoder layers"
     return None
 
 
@@ -98,21 +98,19 @@ class StaticKV:
     the first `length` positions are valid. Grows by doubling."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.shape = (layers, kv_heads, 0, head_dim)
-        self.dtype, self.device = dtype, device
-        self.keys = torch.empty(self.shape, dtype=dtype, device=device)
-        self.values = torch.empty(self.shape, dtype=dtype, device=device)
+        self.keys = torch.empty((layers, kv_heads, 0, head_dim), dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
         self.length = 0
 
     def reserve(self, length: int) -> None:
-        capacity = self.keys.shape[2]
+        layers, heads, capacity, head_dim = self.keys.shape
         if length <= capacity:
             return
         capacity = max(256, 1 << (length - 1).bit_length())
-        layers, heads, _, head_dim = self.shape
         for name in ("keys", "values"):
-            grown = torch.empty((layers, heads, capacity, head_dim), dtype=self.dtype, device=self.device)
-            grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
+            held = getattr(self, name)
+            grown = held.new_empty((layers, heads, capacity, head_dim))
+            grown[:, :, : self.length] = held[:, :, : self.length]
             setattr(self, name, grown)
 
     def get_seq_length(self) -> int:
