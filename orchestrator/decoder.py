@@ -13,12 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from orchestrator.backends import DraftBlock, Prefix, Proposer, ServiceCacheMiss, Verifier, VerifyResult
+from orchestrator.backends import (DraftBlock, Prefix, Proposer, ServiceCacheMiss, ServiceUnavailable, Verifier,
+                                   VerifyResult)
+from orchestrator.breaker import DraftBreaker
 from orchestrator.policy import KPolicy
 from tandem import fingerprint, telemetry
 from tandem.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+UNDRAFTED = DraftBlock(tokens=[])  # a round on the target alone: the draft service is unavailable
 
 
 @dataclass
@@ -35,6 +38,7 @@ class RoundStats:
     cache_misses: int = 0
     predraft_hits: int = 0
     predraft_attempts: int = 0
+    undrafted_rounds: int = 0  # rounds on the target alone: the draft service was unavailable
     overhead_ms: list[float] = field(default_factory=list)
     handover_ms: list[float] = field(default_factory=list)  # the caller's commit and stream write, per round
     verify_ms: list[float] = field(default_factory=list)  # verifies of a block with at most one prefilled token
@@ -113,6 +117,7 @@ class Decoder:
         pipeline: bool,
         max_context: int = 1 << 30,
         request_span=telemetry.NO_SPAN,
+        breaker: DraftBreaker | None = None,
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -125,6 +130,7 @@ class Decoder:
         self.pipeline = pipeline
         self.max_context = max_context
         self.request_span = request_span  # parent of the round spans while tracing
+        self.breaker = breaker if breaker is not None else DraftBreaker(enabled=False)
         self.stats = RoundStats()
 
     # --- service calls, with re-sync on cache miss ------------------------------
@@ -155,9 +161,18 @@ class Decoder:
         k = self._room(k)
         if k == 0:
             return DraftBlock(tokens=[])  # a plain decoding step
+        if not self.breaker.allows():
+            return UNDRAFTED
         with telemetry.child_span("tandem.draft", round_span, telemetry.SpanKind.CLIENT) as span:
-            block = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
-                self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling))
+            try:
+                block = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
+                    self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling))
+            except ServiceUnavailable as err:
+                if not self.breaker.trip(err):
+                    raise
+                span.add_event("draft service unavailable: a round on the target alone")
+                return UNDRAFTED
+            self.breaker.reset()
             if span.is_recording():
                 span.set_attributes({"tandem.k": k, "tandem.prefilled": block.prefilled,
                                      "tandem.compute_ms": block.compute_ms})
@@ -197,6 +212,11 @@ class Decoder:
                 span.add_event("cache miss")
                 log.debug("pre-draft of session %s missed", self.session_id)
                 return None
+            except ServiceUnavailable as err:
+                if not self.breaker.trip(err):
+                    raise
+                span.add_event("draft service unavailable")
+                return None
 
     # --- the rounds ---------------------------------------------------------
     def _commit(self, block: DraftBlock, result: VerifyResult) -> list[int]:
@@ -206,6 +226,7 @@ class Decoder:
         self.draft_view.settle(before, newly)
         self.target_view.settle(before, newly)
         self.stats.record(block, result)
+        self.stats.undrafted_rounds += block is UNDRAFTED
         # A verify that also prefilled (a prompt, a re-sync) says nothing about the block's cost.
         verify_ms = result.compute_ms if result.prefilled <= 1 else 0.0
         if verify_ms and block.tokens:
@@ -219,7 +240,8 @@ class Decoder:
         """Starts verifying `block` and, when pipelining, pre-drafting the next one."""
         verify = asyncio.create_task(self._verify(block, round_span))
         pre = None
-        if self.pipeline and block.tokens and self._room(len(block.tokens) + self.policy.k_ahead + 1):
+        if (self.pipeline and block.tokens and self._room(len(block.tokens) + self.policy.k_ahead + 1)
+                and self.breaker.allows()):
             pre = asyncio.create_task(self._predraft(block, self.policy.k_ahead, round_span))
             self.stats.predraft_attempts += 1
         return verify, pre

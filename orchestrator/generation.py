@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from orchestrator.backends import Proposer, Verifier
+from orchestrator.breaker import DraftBreaker
 from orchestrator.decoder import Committed, Decoder, RoundStats, ServiceView
 from orchestrator.policy import KPolicy, KPolicyConfig, StepCosts
 from orchestrator.store import SessionRecord, SessionStore
@@ -42,6 +43,7 @@ class EngineConfig:
     policy: KPolicyConfig = field(default_factory=KPolicyConfig)
     pipeline: bool = True
     max_context: int = 32768
+    draft_fallback: bool = True  # while the draft service is down, decode on the target alone
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Generation:
         # Step costs are the deployment's, learned from every request; a verify
         # beside a running pre-draft costs more, so each mode has its own.
         self.costs = {mode: StepCosts(config.policy.ema) for mode in (False, True)}
+        self.breaker = DraftBreaker(enabled=config.draft_fallback)
 
     def policy_for(self, params: RequestParams, pipeline: bool) -> KPolicy:
         cfg = self.config.policy
@@ -89,6 +92,7 @@ class Generation:
             self.proposer, self.verifier, record.session_id, committed,
             ServiceView(record.draft_len), ServiceView(record.target_len),
             params.sampling, self.policy_for(params, pipeline), pipeline, self.config.max_context, span,
+            self.breaker,
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)
@@ -147,6 +151,7 @@ class Generation:
                 cache_misses=stats.cache_misses,
                 predraft_hits=stats.predraft_hits,
                 predraft_attempts=stats.predraft_attempts,
+                undrafted_rounds=stats.undrafted_rounds,
                 seed=params.sampling.seed,
                 total_ms=(time.perf_counter() - started) * 1e3,
                 first_token_ms=first_token_ms,
@@ -224,6 +229,7 @@ class RequestMetrics:
             i.accepted_per_position.add(accepted, {"position": position})
         i.predraft_attempts.add(stats.predraft_attempts)
         i.predraft_hits.add(stats.predraft_hits)
+        i.undrafted_rounds.add(stats.undrafted_rounds)
 
 
 def _reason(finish) -> str:

@@ -36,6 +36,7 @@ class OrchestratorConfig:
     session_ttl_s: int = 3600
     service_timeout_s: float = 120.0
     service_transport: str = "stream"  # model calls on one stream per service, or "unary" rpcs
+    draft_fallback: bool = True  # while the draft service is down, decode on the target alone
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
@@ -85,7 +86,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self._load_tokenizer(target)
         self.generation = Generation(
             self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
-            EngineConfig(self.config.policy, self.config.pipeline, target.max_context),
+            EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback),
         )
         self.pair_error = None
         log.info("paired draft %s (%s) with target %s", draft.model_id, draft.backend, target.model_id)

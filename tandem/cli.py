@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--pipeline", choices=["on", "off"], default="on", help="draft the next block during verification")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",
                       help="model calls on one long-lived stream per service, or one rpc each (default: %(default)s)")
+    orch.add_argument("--draft-fallback", choices=["on", "off"], default="on",
+                      help="while the draft service is unavailable, decode on the target alone (same output, "
+                           "one token a round) and call the draft again after a backoff; off: such requests fail "
+                           "with UNAVAILABLE (default: %(default)s)")
     orch.add_argument("--max-tokens", type=int, default=128, help="default max_tokens of a request")
     orch.add_argument("--session-ttl", type=int, default=3600, help="idle session lifetime, seconds")
     orch.add_argument("--wait", type=float, default=600, help="seconds to wait for the model services at start")
@@ -189,7 +193,7 @@ def _serve(args) -> None:
                 tokenizer=args.tokenizer,
                 policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
                 pipeline=args.pipeline == "on", default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
-                service_transport=args.service_transport,
+                service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
             )
             server, port, health, servicer = build_server(address, config)
             await servicer.connect(wait_s=args.wait)

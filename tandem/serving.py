@@ -81,8 +81,14 @@ async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: l
     await server.stop(grace_s)
 
 
+# The orchestrator's channels to its model services: a service that comes back
+# is reconnected within 5 s (gRPC's default backoff grows to 120 s, and calls
+# fail at once while it waits).
+SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 5000)]
+
+
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=SERVICE_CHANNEL_OPTIONS)
 
 
 class ModelWorker:

@@ -94,6 +94,8 @@ class Instruments:
                                              "accepted draft tokens by position in the block (0-based)")
         self.predraft_attempts = counter("tandem.predraft.attempts", "{draft}", "pre-drafts launched beside a verify")
         self.predraft_hits = counter("tandem.predraft.hits", "{draft}", "pre-drafted blocks used by the next round")
+        self.undrafted_rounds = counter("tandem.rounds.undrafted", "{round}",
+                                        "rounds decoded on the target alone: the draft service was unavailable")
         # orchestrator: per-round and per-request distributions
         self.tokens_per_round = histogram("tandem.tokens_per_round", "{token}", "tokens committed by a round",
                                           explicit_bucket_boundaries_advisory=TOKENS_BUCKETS)

@@ -1,7 +1,11 @@
 """The decoder's scheduling logic with in-process services (no sockets)."""
+import itertools
+
 import pytest
 
 from draft_service.drafters import ModelDrafter
+from orchestrator.backends import ServiceUnavailable
+from orchestrator.breaker import DraftBreaker
 from orchestrator.decoder import Committed, Decoder, ServiceView
 from orchestrator.inprocess import InProcessProposer, InProcessVerifier
 from orchestrator.policy import KPolicy, KPolicyConfig
@@ -23,9 +27,10 @@ def _services(model_dir: str):
             InProcessVerifier(Verifier(target_runner, target_store)))
 
 
-async def _decode(proposer, verifier, prompt, tokens, pipeline, k=3):
+async def _decode(proposer, verifier, prompt, tokens, pipeline, k=3, breaker=None):
     decoder = Decoder(proposer, verifier, f"s-{pipeline}-{k}", Committed(prompt), ServiceView(0), ServiceView(0),
-                      SamplingParams(), KPolicy(KPolicyConfig(k=k, adaptive=False), pipeline), pipeline)
+                      SamplingParams(), KPolicy(KPolicyConfig(k=k, adaptive=False), pipeline), pipeline,
+                      breaker=breaker)
     out = []
     rounds = decoder.rounds()
     async for newly in rounds:
@@ -60,6 +65,63 @@ async def test_views_follow_what_each_service_holds(tiny_models):
     for view, cache in ((decoder.target_view, target_cache), (decoder.draft_view, draft_cache)):
         assert view.length <= len(cache.tokens)
         assert cache.tokens[: view.length] == committed[: view.length]
+
+
+class DownProposer:
+    """Fails the calls numbered in `down` (from 1) with ServiceUnavailable, as
+    the gRPC client does when the draft service is down."""
+
+    def __init__(self, inner, down):
+        self.inner, self.down, self.calls = inner, set(down), 0
+
+    async def propose(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls in self.down:
+            raise ServiceUnavailable("UNAVAILABLE: the draft service is down")
+        return await self.inner.propose(*args, **kwargs)
+
+
+def test_the_breaker_backs_off_doubling_and_closes_on_success():
+    now = [0.0]
+    breaker = DraftBreaker(backoff_s=0.5, max_backoff_s=2.0, clock=lambda: now[0])
+    assert breaker.allows() and not breaker.open
+    for backoff in (0.5, 1.0, 2.0, 2.0):  # doubling, capped
+        assert breaker.trip(ServiceUnavailable("down"))
+        now[0] += backoff - 0.01
+        assert not breaker.allows()
+        now[0] += 0.01
+        assert breaker.allows() and breaker.open  # the retry may go out
+    breaker.reset()
+    assert not breaker.open and breaker.allows()
+    assert breaker.trip(ServiceUnavailable("down")) and breaker.retry_at == pytest.approx(now[0] + 0.5)
+    assert not DraftBreaker(enabled=False).trip(ServiceUnavailable("down"))  # the caller raises
+    with pytest.raises(ValueError):
+        DraftBreaker(backoff_s=2.0, max_backoff_s=1.0)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_rounds_go_on_on_the_target_alone_while_the_draft_is_down(tiny_models, pipeline):
+    """Draft calls 2-4 fail: those rounds (and the ones the breaker's backoff
+    skips) commit one target token each, the draft is called again after the
+    backoff and re-used, and the output is the target alone's throughout."""
+    proposer, verifier = _services(tiny_models["target"])
+    down = DownProposer(proposer, down={2, 3, 4})
+    ticks = itertools.count()
+    breaker = DraftBreaker(backoff_s=0.5, max_backoff_s=1.0, clock=lambda: next(ticks) * 0.25)
+    prompt = [4, 8, 15, 16, 23, 42]
+    out, decoder = await _decode(down, verifier, prompt, 40, pipeline, breaker=breaker)
+    assert out == reference_greedy(tiny_models["target"], prompt, 40)
+    stats = decoder.stats
+    assert stats.undrafted_rounds >= 1  # a failed pre-draft only costs its pre-drafted block
+    assert down.calls > 4 and stats.drafted > 0 and not breaker.open  # drafting again after the failures
+    assert stats.accepted == stats.drafted  # draft = target: what was drafted was accepted
+
+
+async def test_without_fallback_a_down_draft_fails_the_rounds(tiny_models):
+    proposer, verifier = _services(tiny_models["target"])
+    with pytest.raises(ServiceUnavailable):
+        await _decode(DownProposer(proposer, down={2}), verifier, [1, 2, 3], 30, pipeline=False,
+                      breaker=DraftBreaker(enabled=False))
 
 
 def _propose_call(session, prefix, new_tokens, k):

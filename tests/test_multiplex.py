@@ -214,42 +214,87 @@ def test_a_cancelled_stream_call_is_cancelled_at_the_service():
     assert tokens == [2]
 
 
-def test_generation_survives_a_draft_service_restart(tiny_models):
-    """The draft service goes away: a chat turn fails with UNAVAILABLE and the
-    session keeps its committed tokens (and the turn's message). It comes back
-    on the same address: the orchestrator opens a new stream and the next turn
-    is exact."""
+def _restart_draft(cluster, draft_dir):
+    """A new draft service on the old one's address, once the orchestrator's
+    channel to it is connected again (it retries with backoff)."""
     from draft_service.server import DraftOptions, build_server as build_draft
+
+    async def restart():
+        server, _, _, _ = build_draft(cluster.draft_address, ModelConfig(draft_dir, dtype="float32"),
+                                      CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions())
+        await server.start()
+        channel = cluster.orchestrator.proposer.channel
+        while (state := channel.get_state(try_to_connect=True)) != grpc.ChannelConnectivity.READY:
+            await asyncio.wait_for(channel.wait_for_state_change(state), 30)
+        return server
+
+    cluster.servers[1] = cluster.run(restart())
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_generation_goes_on_without_the_draft_service_and_drafts_again_when_it_returns(tiny_models, pipeline):
+    """The draft service goes away mid-session: the next chat turn is decoded on
+    the target alone, exactly, and says so in its stats. The service comes back
+    on the same address: once the breaker's backoff has passed, the orchestrator
+    drafts again (the new service re-syncs from a cache miss) and the turn is exact."""
     from tests.conftest import reference_greedy
 
-    cluster = Cluster(tiny_models["target"], tiny_models["other"])
+    cluster = Cluster(tiny_models["target"], tiny_models["target"], pipeline=pipeline)  # draft = target: all accepted
     prompt = [3, 1, 4, 1, 5]
     try:
         with cluster.client() as client:
             session = client.create_session()
             first = client.chat(session, message_ids=prompt, max_tokens=6)
-            old_draft = cluster.servers[1]
-            cluster.run(old_draft.stop(0))
+            assert first.stats.drafted_tokens > 0 and first.stats.undrafted_rounds == 0
+            cluster.run(cluster.servers[1].stop(0))
+            second = client.chat(session, message_ids=[9], max_tokens=6)
+            history = prompt + first.token_ids + [9]
+            assert second.token_ids == reference_greedy(tiny_models["target"], history, 6)
+            assert second.stats.undrafted_rounds == second.stats.rounds == 6  # one token a round, retries failed
+            assert second.stats.drafted_tokens == 0
+            record = cluster.run(cluster.orchestrator.store.load("default", session))
+            assert record.tokens == history + second.token_ids
+
+            _restart_draft(cluster, tiny_models["target"])
+            breaker = cluster.orchestrator.generation.breaker
+            assert breaker.open
+
+            async def backoff_passed():
+                while not breaker.allows():
+                    await asyncio.sleep(0.05)
+
+            cluster.run(backoff_passed())
+            third = client.chat(session, message_ids=[8], max_tokens=6)
+            history += second.token_ids + [8]
+            assert third.token_ids == reference_greedy(tiny_models["target"], history, 6)
+            assert third.stats.undrafted_rounds == 0 and third.stats.drafted_tokens > 0
+            assert third.stats.cache_misses >= 1  # the new draft service held nothing: re-synced
+            assert not breaker.open
+    finally:
+        cluster.stop()
+
+
+def test_without_fallback_a_dead_draft_fails_the_turn_and_loses_nothing(tiny_models):
+    """--draft-fallback off: the draft service goes away and a chat turn fails
+    with UNAVAILABLE; the session keeps its committed tokens (and the turn's
+    message). The service comes back on the same address: the orchestrator
+    opens a new stream and the next turn is exact."""
+    from tests.conftest import reference_greedy
+
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], draft_fallback=False)
+    prompt = [3, 1, 4, 1, 5]
+    try:
+        with cluster.client() as client:
+            session = client.create_session()
+            first = client.chat(session, message_ids=prompt, max_tokens=6)
+            cluster.run(cluster.servers[1].stop(0))
             with pytest.raises(grpc.RpcError) as info:
                 client.chat(session, message_ids=[9], max_tokens=6)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             record = cluster.run(cluster.orchestrator.store.load("default", session))
             assert record.tokens == prompt + first.token_ids + [9]  # nothing committed is lost, the turn's message kept
 
-            async def restart():
-                server, _, _, _ = build_draft(cluster.draft_address, ModelConfig(tiny_models["other"], dtype="float32"),
-                                              CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions())
-                await server.start()
-                return server
-
-            cluster.servers[1] = cluster.run(restart())
-
-            async def reconnected():  # the orchestrator's channel retries with backoff; calls fail fast meanwhile
-                channel = cluster.orchestrator.proposer.channel
-                while (state := channel.get_state(try_to_connect=True)) != grpc.ChannelConnectivity.READY:
-                    await asyncio.wait_for(channel.wait_for_state_change(state), 30)
-
-            cluster.run(reconnected())
+            _restart_draft(cluster, tiny_models["other"])
             second = client.chat(session, message_ids=[8], max_tokens=6)
             history = prompt + first.token_ids + [9, 8]
             assert second.token_ids == reference_greedy(tiny_models["target"], history, 6)

@@ -133,6 +133,7 @@ def test_counters_equal_the_completion_stats(same_cluster, recorded):
             for i in range(len(stats.accepted_per_position))] == list(stats.accepted_per_position)
     assert value("tandem.predraft.attempts") == stats.predraft_attempts
     assert value("tandem.predraft.hits") == stats.predraft_hits
+    assert value("tandem.rounds.undrafted") == stats.undrafted_rounds == 0
     assert value("tandem.requests", finish_reason="length") == 1
     assert value("tandem.completion_tokens") == len(result.token_ids) == 12
     per_round = points["tandem.tokens_per_round"][frozenset()]
