@@ -41,6 +41,8 @@ class OrchestratorConfig:
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
             raise ValueError("default_max_tokens and session_ttl_s must be >= 1")
+        if not self.service_timeout_s > 0:
+            raise ValueError(f"service_timeout_s must be > 0, got {self.service_timeout_s}")
         if self.service_transport not in TRANSPORTS:
             raise ValueError(f"service_transport must be one of {TRANSPORTS}, got {self.service_transport!r}")
 

@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--pipeline", choices=["on", "off"], default="on", help="draft the next block during verification")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",
                       help="model calls on one long-lived stream per service, or one rpc each (default: %(default)s)")
+    orch.add_argument("--service-timeout", type=float, default=120.0,
+                      help="deadline of each call to a model service, seconds; a prompt's prefill must fit in it "
+                           "(default: %(default)s)")
     orch.add_argument("--draft-fallback", choices=["on", "off"], default="on",
                       help="while the draft service is unavailable, decode on the target alone (same output, "
                            "one token a round) and call the draft again after a backoff; off: such requests fail "
@@ -194,6 +197,7 @@ def _serve(args) -> None:
                 policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
                 pipeline=args.pipeline == "on", default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
+                service_timeout_s=args.service_timeout,
             )
             server, port, health, servicer = build_server(address, config)
             await servicer.connect(wait_s=args.wait)

@@ -92,6 +92,7 @@ def test_model_services_check_their_input(random_cluster):
 
 @pytest.mark.parametrize("argv, words", [
     (["orchestrator", "--k-min", "5", "--k-max", "2"], "k_min <= k <= k_max"),
+    (["orchestrator", "--service-timeout", "0"], "service_timeout_s must be > 0"),
     (["draft", "--model", "/no/such/model"], "no such directory"),
     (["target", "--model", "./missing", "--dtype", "float32"], "no such directory"),
 ])
