@@ -75,6 +75,19 @@ def test_two_draft_tokens_second_position_distribution():
     assert chisquare(counts, _expected(counts, probs)).pvalue > 1e-3
 
 
+def test_a_round_without_draft_tokens_samples_the_target_distribution():
+    """k = 0, as in a round on the target alone while the draft service is down:
+    the one token a round commits is drawn from the target's distribution."""
+    gen = np.random.default_rng(11)
+    counts = np.zeros(len(TARGET))
+    for _ in range(20000):
+        verdict = verify_sampled([], [], None, TARGET[None], [], [gen.random()])
+        assert verdict.accepted == 0
+        counts[verdict.next_token] += 1
+    assert chisquare(counts, _expected(counts, TARGET.numpy())).pvalue > 1e-3
+    assert 0.5 * np.abs(counts / counts.sum() - TARGET.numpy()).sum() < 0.02
+
+
 def test_seeded_draws_are_deterministic_per_position():
     assert rng.uniform(42, rng.ACCEPT, 10) == rng.uniform(42, rng.ACCEPT, 10)
     assert rng.uniform(42, rng.ACCEPT, 10) != rng.uniform(42, rng.ACCEPT, 11)
