@@ -214,21 +214,25 @@ def test_a_cancelled_stream_call_is_cancelled_at_the_service():
     assert tokens == [2]
 
 
-def _restart_draft(cluster, draft_dir):
-    """A new draft service on the old one's address, once the orchestrator's
-    channel to it is connected again (it retries with backoff)."""
+def _restart(cluster, role: str, model_dir: str):
+    """A new model service ("draft" or "target") on the old one's address, once
+    the orchestrator's channel to it is connected again (it retries with backoff)."""
     from draft_service.server import DraftOptions, build_server as build_draft
+    from target_service.server import build_server as build_target
+
+    index, address, client = ((1, cluster.draft_address, cluster.orchestrator.proposer) if role == "draft"
+                              else (0, cluster.target_address, cluster.orchestrator.verifier))
 
     async def restart():
-        server, _, _, _ = build_draft(cluster.draft_address, ModelConfig(draft_dir, dtype="float32"),
-                                      CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions())
+        model, cache = ModelConfig(model_dir, dtype="float32"), CacheConfig(budget_mb=0, session_ttl_s=0)
+        server = (build_draft(address, model, cache, DraftOptions()) if role == "draft"
+                  else build_target(address, model, cache))[0]
         await server.start()
-        channel = cluster.orchestrator.proposer.channel
-        while (state := channel.get_state(try_to_connect=True)) != grpc.ChannelConnectivity.READY:
-            await asyncio.wait_for(channel.wait_for_state_change(state), 30)
+        while (state := client.channel.get_state(try_to_connect=True)) != grpc.ChannelConnectivity.READY:
+            await asyncio.wait_for(client.channel.wait_for_state_change(state), 30)
         return server
 
-    cluster.servers[1] = cluster.run(restart())
+    cluster.servers[index] = cluster.run(restart())
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
@@ -255,7 +259,7 @@ def test_generation_goes_on_without_the_draft_service_and_drafts_again_when_it_r
             record = cluster.run(cluster.orchestrator.store.load("default", session))
             assert record.tokens == history + second.token_ids
 
-            _restart_draft(cluster, tiny_models["target"])
+            _restart(cluster, "draft", tiny_models["target"])
             breaker = cluster.orchestrator.generation.breaker
             assert breaker.open
 
@@ -294,10 +298,39 @@ def test_without_fallback_a_dead_draft_fails_the_turn_and_loses_nothing(tiny_mod
             record = cluster.run(cluster.orchestrator.store.load("default", session))
             assert record.tokens == prompt + first.token_ids + [9]  # nothing committed is lost, the turn's message kept
 
-            _restart_draft(cluster, tiny_models["other"])
+            _restart(cluster, "draft", tiny_models["other"])
             second = client.chat(session, message_ids=[8], max_tokens=6)
             history = prompt + first.token_ids + [9, 8]
             assert second.token_ids == reference_greedy(tiny_models["target"], history, 6)
+    finally:
+        cluster.stop()
+
+
+def test_a_dead_target_fails_the_turn_and_loses_nothing(tiny_models):
+    """Nothing decodes without the target: a chat turn fails with UNAVAILABLE
+    and the session keeps its committed tokens (and the turn's message). The
+    target comes back empty on the same address; the next turn re-syncs it from
+    a cache miss and is exact."""
+    from tests.conftest import reference_greedy
+
+    cluster = Cluster(tiny_models["target"], tiny_models["other"])
+    prompt = [3, 1, 4, 1, 5]
+    try:
+        with cluster.client() as client:
+            session = client.create_session()
+            first = client.chat(session, message_ids=prompt, max_tokens=6)
+            cluster.run(cluster.servers[0].stop(0))
+            with pytest.raises(grpc.RpcError) as info:
+                client.chat(session, message_ids=[9], max_tokens=6)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            record = cluster.run(cluster.orchestrator.store.load("default", session))
+            assert record.tokens == prompt + first.token_ids + [9]
+
+            _restart(cluster, "target", tiny_models["target"])
+            second = client.chat(session, message_ids=[8], max_tokens=6)
+            history = prompt + first.token_ids + [9, 8]
+            assert second.token_ids == reference_greedy(tiny_models["target"], history, 6)
+            assert second.stats.cache_misses >= 1 and second.stats.target_prefill_tokens >= len(history)
     finally:
         cluster.stop()
 
