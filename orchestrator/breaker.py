@@ -21,7 +21,8 @@ class DraftBreaker:
     goes out for `backoff_s`, doubling with each further failure up to
     `max_backoff_s`; the first call after that is the retry, and its success
     closes the breaker. Disabled (`enabled=False`), it never opens: a failed
-    draft call fails the request."""
+    draft call fails the request. Paused, no draft call goes out at all: the
+    orchestrator started without its draft service and has not paired it yet."""
 
     def __init__(self, enabled: bool = True, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -33,14 +34,23 @@ class DraftBreaker:
         self.clock = clock
         self.failures = 0  # consecutive failed draft calls
         self.retry_at = 0.0
+        self.paused = False
 
     @property
     def open(self) -> bool:
-        return self.failures > 0
+        return self.failures > 0 or self.paused
 
     def allows(self) -> bool:
         """Whether a draft call may go out now."""
-        return not self.failures or self.clock() >= self.retry_at
+        return not self.paused and (not self.failures or self.clock() >= self.retry_at)
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        """Drafting from the next round on."""
+        self.paused = False
+        self.failures = 0
 
     def trip(self, err: Exception) -> bool:
         """After a draft call failed with `err` (the service down or past its

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 TENANT_KEY = "x-tandem-tenant"
 DEFAULT_TENANT = "default"
+DRAFT_GRACE_S = 30.0  # at start, how long the draft service may lag the target before serving without it
+PAIR_POLL_S = 2.0  # then, how often to ask it again
 
 
 @dataclass(frozen=True)
@@ -62,36 +64,84 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.generation: Generation | None = None
         self.draft_info = self.target_info = None
         self.pair_error: str | None = None
+        self._pairing: asyncio.Task | None = None  # pairs a draft service that was down at start
 
     async def connect(self, wait_s: float = 0.0) -> None:
         """Checks Redis and pairs the two model services (retrying up to wait_s).
-        Raises PairingError when their tokenizers differ."""
+        Raises PairingError when their tokenizers differ.
+
+        With draft_fallback, a draft service that has not answered by then (nor
+        within DRAFT_GRACE_S of the target) does not hold the orchestrator back:
+        requests decode on the target alone, and a background task pairs the
+        draft once it answers."""
         await self.store.ping()
-        deadline = asyncio.get_running_loop().time() + wait_s
-        while True:
-            try:
-                self.draft_info = await self.proposer.model_info()
-                self.target_info = await self.verifier.model_info()
-                break
-            except ServiceUnavailable as err:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                log.info("waiting for the model services (%s)", err)
-                await asyncio.sleep(1.0)
-        draft, target = self.draft_info, self.target_info
-        if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
-            self.pair_error = (
-                f"draft {draft.model_id!r} and target {target.model_id!r} do not share a tokenizer "
-                f"(fingerprints {draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]})"
-            )
-            raise PairingError(self.pair_error)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        self.target_info = await self._model_info(self.verifier, "target", deadline)
+        try:
+            draft = await self._model_info(self.proposer, "draft", min(deadline, loop.time() + DRAFT_GRACE_S)
+                                           if self.config.draft_fallback else deadline)
+        except ServiceUnavailable as err:
+            if not self.config.draft_fallback:
+                raise
+            log.warning("draft service unavailable (%s): serving on the target alone until it answers", err)
+            draft = None
+        if draft is not None and (mismatch := self._mismatch(draft)):
+            self.pair_error = mismatch
+            raise PairingError(mismatch)
+        target = self.target_info
         self._load_tokenizer(target)
         self.generation = Generation(
             self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
             EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback),
         )
         self.pair_error = None
-        log.info("paired draft %s (%s) with target %s", draft.model_id, draft.backend, target.model_id)
+        if draft is None:
+            self.generation.breaker.pause()
+            self._pairing = asyncio.create_task(self._pair_draft_later())
+        else:
+            self.draft_info = draft
+            log.info("paired draft %s (%s) with target %s", draft.model_id, draft.backend, target.model_id)
+
+    @staticmethod
+    async def _model_info(client, role: str, deadline: float):
+        while True:
+            try:
+                return await client.model_info()
+            except ServiceUnavailable as err:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.info("waiting for the %s service (%s)", role, err)
+                await asyncio.sleep(1.0)
+
+    def _mismatch(self, draft) -> str | None:
+        """Why `draft` cannot be paired with the target, or None."""
+        target = self.target_info
+        if draft.tokenizer_fingerprint == target.tokenizer_fingerprint:
+            return None
+        return (f"draft {draft.model_id!r} and target {target.model_id!r} do not share a tokenizer "
+                f"(fingerprints {draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]})")
+
+    async def _pair_draft_later(self) -> None:
+        """Asks the draft service for its model every PAIR_POLL_S until it
+        answers with one that matches the target, then lets rounds draft."""
+        refused = None
+        while True:
+            await asyncio.sleep(PAIR_POLL_S)
+            try:
+                draft = await self.proposer.model_info()
+            except ServiceUnavailable:
+                continue
+            if mismatch := self._mismatch(draft):
+                if mismatch != refused:
+                    log.error("not drafting: %s; serving on the target alone", mismatch)
+                    refused = mismatch
+                continue
+            self.draft_info = draft
+            self.generation.breaker.resume()
+            log.warning("paired draft %s (%s) with target %s: drafting again", draft.model_id, draft.backend,
+                        self.target_info.model_id)
+            return
 
     def _load_tokenizer(self, target) -> None:
         source = self.config.tokenizer or target.model_id
@@ -222,8 +272,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         policy = self.config.policy
         return tandem_pb2.ServerInfo(
             target_model=self.target_info.model_id,
-            draft_model=self.draft_info.model_id,
-            draft_backend=self.draft_info.backend,
+            draft_model=self.draft_info.model_id if self.draft_info else "",
+            draft_backend=self.draft_info.backend if self.draft_info else "",
             max_context=self.target_info.max_context,
             k=policy.k, k_min=policy.k_min, k_max=policy.k_max, adaptive_k=policy.adaptive,
             pipeline=self.config.pipeline,
@@ -278,6 +328,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         return deleted
 
     async def close(self) -> None:
+        if self._pairing is not None:
+            self._pairing.cancel()
         await asyncio.gather(self.proposer.close(), self.verifier.close(), self.store.close())
 
 

@@ -94,6 +94,11 @@ def test_the_breaker_backs_off_doubling_and_closes_on_success():
     breaker.reset()
     assert not breaker.open and breaker.allows()
     assert breaker.trip(ServiceUnavailable("down")) and breaker.retry_at == pytest.approx(now[0] + 0.5)
+    breaker.pause()  # unpaired: no call at all, whatever the clock says
+    now[0] += 100
+    assert not breaker.allows() and breaker.open
+    breaker.resume()
+    assert breaker.allows() and not breaker.open
     assert not DraftBreaker(enabled=False).trip(ServiceUnavailable("down"))  # the caller raises
     with pytest.raises(ValueError):
         DraftBreaker(backoff_s=2.0, max_backoff_s=1.0)

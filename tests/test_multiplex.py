@@ -278,6 +278,38 @@ def test_generation_goes_on_without_the_draft_service_and_drafts_again_when_it_r
         cluster.stop()
 
 
+def test_an_orchestrator_started_without_its_draft_serves_on_the_target_and_pairs_it_later(tiny_models):
+    """The draft service is down when the orchestrator pairs its services: it
+    serves on the target alone (exact, no draft model in its info), and pairs the
+    draft in the background once it answers; then rounds draft again."""
+    from tests.conftest import reference_greedy
+
+    cluster = Cluster(tiny_models["target"], tiny_models["target"])
+    prompt = [3, 1, 4, 1, 5]
+    try:
+        cluster.run(cluster.servers[1].stop(0))  # the orchestrator pairs on its first request
+        with cluster.client() as client:
+            first = client.generate(prompt_ids=prompt, max_tokens=6)
+            assert first.token_ids == reference_greedy(tiny_models["target"], prompt, 6)
+            assert first.stats.undrafted_rounds == first.stats.rounds == 6
+            info = client.server_info()
+            assert info.target_model and not info.draft_model
+
+            _restart(cluster, "draft", tiny_models["target"])
+
+            async def paired():
+                while cluster.orchestrator.draft_info is None:
+                    await asyncio.sleep(0.05)
+
+            cluster.run(paired(), timeout=30)
+            second = client.generate(prompt_ids=prompt, max_tokens=6)
+            assert second.token_ids == first.token_ids
+            assert second.stats.undrafted_rounds == 0 and second.stats.drafted_tokens > 0
+            assert client.server_info().draft_model
+    finally:
+        cluster.stop()
+
+
 def test_without_fallback_a_dead_draft_fails_the_turn_and_loses_nothing(tiny_models):
     """--draft-fallback off: the draft service goes away and a chat turn fails
     with UNAVAILABLE; the session keeps its committed tokens (and the turn's
