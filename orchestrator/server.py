@@ -130,7 +130,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             await asyncio.sleep(PAIR_POLL_S)
             try:
                 draft = await self.proposer.model_info()
-            except ServiceUnavailable:
+            except (ServiceUnavailable, grpc.aio.AioRpcError) as err:
+                log.debug("draft service not answering yet: %s", err)
                 continue
             if mismatch := self._mismatch(draft):
                 if mismatch != refused:
