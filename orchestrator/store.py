@@ -13,6 +13,11 @@ import uuid
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
+from redis import exceptions as redis_errors
+
+# Redis down or not answering: the session store is unavailable (the
+# orchestrator answers UNAVAILABLE), as opposed to a request it refuses.
+STORE_UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 
 
 class SessionNotFound(KeyError):
@@ -40,7 +45,7 @@ class SessionRecord:
 
 class SessionStore:
     def __init__(self, url: str, default_ttl_s: int = 3600, lock_s: int = 600):
-        self.redis = redis.Redis.from_url(url)
+        self.redis = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
         self.default_ttl_s = default_ttl_s
         self.lock_s = lock_s
 

