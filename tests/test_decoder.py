@@ -106,9 +106,10 @@ def test_the_breaker_backs_off_doubling_and_closes_on_success():
 
 @pytest.mark.parametrize("pipeline", [False, True])
 async def test_rounds_go_on_on_the_target_alone_while_the_draft_is_down(tiny_models, pipeline):
-    """Draft calls 2-4 fail: those rounds (and the ones the breaker's backoff
-    skips) commit one target token each, the draft is called again after the
-    backoff and re-used, and the output is the target alone's throughout."""
+    """Draft calls 2-4 fail (pre-drafts among them when pipelining): a round
+    whose draft failed, or that the breaker's backoff kept from calling it,
+    commits one target token; the draft is called again after the backoff and
+    used again, and the output is the target alone's throughout."""
     proposer, verifier = _services(tiny_models["target"])
     down = DownProposer(proposer, down={2, 3, 4})
     ticks = itertools.count()
