@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "with UNAVAILABLE (default: %(default)s)")
     orch.add_argument("--max-tokens", type=int, default=128, help="default max_tokens of a request")
     orch.add_argument("--session-ttl", type=int, default=3600, help="idle session lifetime, seconds")
-    orch.add_argument("--wait", type=float, default=600, help="seconds to wait for the model services at start; with --draft-fallback on, "
-                           "at most 30 s for the draft once the target answers (default: %(default)s)")
+    orch.add_argument("--wait", type=float, default=600,
+                      help="seconds to wait for the model services at start; with --draft-fallback on, at most "
+                           "30 s for the draft once the target answers (default: %(default)s)")
     _add_telemetry_flags(orch)
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt")

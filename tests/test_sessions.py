@@ -141,14 +141,6 @@ def test_a_request_takes_the_session_as_the_previous_request_left_it():
     asyncio.run(scenario())
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _redis_server(port: int):
     """A private redis-server on `port`, answering when returned."""
     import subprocess
@@ -174,9 +166,10 @@ def test_a_redis_outage_answers_unavailable_with_words_and_service_resumes(tiny_
     """The session store goes down: requests end with UNAVAILABLE naming it
     (not UNKNOWN), and the model services are untouched. Redis comes back (empty:
     this one keeps nothing on disk): new sessions work and decode exactly."""
+    from tandem.launch import free_port
     from tests.conftest import Cluster
 
-    port = _free_port()
+    port = free_port()
     redis_proc = _redis_server(port)
     cluster = Cluster(tiny_models["target"], tiny_models["other"], redis_url=f"redis://127.0.0.1:{port}/0")
     try:
