@@ -36,3 +36,17 @@ def test_hf_assisted_runs_as_configured_and_keeps_the_target_output(tiny_models)
         assert getattr(assistant.generation_config, name) == value
     assert assisted.outputs == alone.outputs
     assert all(len(tokens) == 24 for tokens in assisted.outputs.values())
+
+
+def test_best_ceiling_is_the_highest_among_the_pinned_pipelined_modes():
+    from bench.common import ModeResult
+    from bench.nodes import best_ceiling
+
+    modes = {"b_sequential": ModeResult(ceiling_tok_s=20.0),  # not pipelined
+             "c_pipelined_k2": ModeResult(ceiling_tok_s=12.7),
+             "c_pipelined_k3": ModeResult(ceiling_tok_s=12.1),
+             "c_pipelined_k4": ModeResult(),  # no verify timed
+             "d_pipelined_adaptive": ModeResult(ceiling_tok_s=12.5),
+             "g_whole_machine_pipelined_1t": ModeResult(ceiling_tok_s=13.1)}  # unpinned
+    assert best_ceiling(modes) == ("c_pipelined_k2", 12.7)
+    assert best_ceiling({"b_sequential": ModeResult(ceiling_tok_s=20.0)}) == (None, None)
