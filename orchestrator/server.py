@@ -41,10 +41,13 @@ class OrchestratorConfig:
     service_timeout_s: float = 120.0
     service_transport: str = "stream"  # model calls on one stream per service, or "unary" rpcs
     draft_fallback: bool = True  # while the draft service is down, decode on the target alone
+    max_concurrent_requests: int = 128  # Generate and Chat streams at once; more get RESOURCE_EXHAUSTED; 0 = no limit
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
             raise ValueError("default_max_tokens and session_ttl_s must be >= 1")
+        if self.max_concurrent_requests < 0:
+            raise ValueError(f"max_concurrent_requests must be >= 0 (0: no limit), got {self.max_concurrent_requests}")
         if not self.service_timeout_s > 0:
             raise ValueError(f"service_timeout_s must be > 0, got {self.service_timeout_s}")
         if self.service_transport not in TRANSPORTS:
@@ -81,6 +84,28 @@ def _store_unavailable(rpc):
     return unary
 
 
+def _admitted(rpc):
+    """A streaming rpc that counts against max_concurrent_requests: past the
+    limit it ends at once with RESOURCE_EXHAUSTED, before it touches a session,
+    so that an overloaded orchestrator sheds new requests instead of slowing
+    every stream it holds."""
+    @functools.wraps(rpc)
+    async def limited(self, request, context):
+        limit = self.config.max_concurrent_requests
+        if limit and self.active_requests >= limit:
+            telemetry.instruments().rejected_requests.add(1)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the orchestrator is serving its limit of {limit} concurrent requests "
+                                "(--max-concurrent-requests); retry later")
+        self.active_requests += 1
+        try:
+            async for event in rpc(self, request, context):
+                yield event
+        finally:
+            self.active_requests -= 1
+    return limited
+
+
 class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
     def __init__(self, config: OrchestratorConfig):
         self.config = config
@@ -93,6 +118,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.draft_info = self.target_info = None
         self.pair_error: str | None = None
         self._pairing: asyncio.Task | None = None  # pairs a draft service that was down at start
+        self.active_requests = 0  # Generate and Chat streams in progress
 
     async def connect(self, wait_s: float = 0.0) -> None:
         """Checks Redis and pairs the two model services (retrying up to wait_s).
@@ -232,6 +258,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             raise ValueError(f"{what} needs a tokenizer, and the model has none: send token ids")
 
     # --- rpcs ----------------------------------------------------------------------
+    @_admitted
     @_store_unavailable
     async def Generate(self, request, context):
         generation = await self._ready(context)
@@ -263,6 +290,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         record = await self.store.create(self._tenant(context), messages, request.ttl_seconds)
         return tandem_pb2.Session(session_id=record.session_id, committed_tokens=0)
 
+    @_admitted
     @_store_unavailable
     async def Chat(self, request, context):
         generation = await self._ready(context)

@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "one token a round) and call the draft again after a backoff; off: such requests fail "
                            "with UNAVAILABLE (default: %(default)s)")
     orch.add_argument("--max-tokens", type=int, default=128, help="default max_tokens of a request")
+    orch.add_argument("--max-concurrent-requests", type=int, default=128,
+                      help="Generate and Chat requests served at once; more are refused with RESOURCE_EXHAUSTED "
+                           "at once; 0 = no limit (default: %(default)s)")
     orch.add_argument("--session-ttl", type=int, default=3600, help="idle session lifetime, seconds")
     orch.add_argument("--wait", type=float, default=600,
                       help="seconds to wait for the model services at start; with --draft-fallback on, at most "
@@ -199,7 +202,7 @@ def _serve(args) -> None:
                 policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
                 pipeline=args.pipeline == "on", default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
-                service_timeout_s=args.service_timeout,
+                service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
             )
             server, port, health, servicer = build_server(address, config)
             await servicer.connect(wait_s=args.wait)

@@ -86,6 +86,8 @@ class Instruments:
         counter, histogram = meter.create_counter, meter.create_histogram
         # orchestrator: counters first (DESIGN §6), fed once per request from its RoundStats
         self.requests = counter("tandem.requests", "{request}", "requests finished, by finish_reason")
+        self.rejected_requests = counter("tandem.requests.rejected", "{request}",
+                                         "requests refused with RESOURCE_EXHAUSTED at --max-concurrent-requests")
         self.completion_tokens = counter("tandem.completion_tokens", "{token}", "tokens streamed to clients")
         self.drafts = counter("tandem.drafts", "{draft}", "draft blocks verified (rounds)")
         self.draft_tokens = counter("tandem.draft_tokens", "{token}", "draft tokens verified")

@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.conftest import Cluster
+from tests.conftest import Cluster, reference_greedy
 
 PROMPT = [1, 2, 3, 4]
 
@@ -93,6 +93,7 @@ def test_model_services_check_their_input(random_cluster):
 @pytest.mark.parametrize("argv, words", [
     (["orchestrator", "--k-min", "5", "--k-max", "2"], "k_min <= k <= k_max"),
     (["orchestrator", "--service-timeout", "0"], "service_timeout_s must be > 0"),
+    (["orchestrator", "--max-concurrent-requests", "-1"], "max_concurrent_requests must be >= 0"),
     (["draft", "--model", "/no/such/model"], "no such directory"),
     (["target", "--model", "./missing", "--dtype", "float32"], "no such directory"),
 ])
@@ -106,3 +107,34 @@ def test_serve_with_bad_flags_exits_2_with_words(argv, words):
     assert proc.returncode == 2
     assert f"tandem serve {argv[0]}:" in proc.stderr and words in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_requests_past_the_concurrency_limit_are_refused_and_nothing_else_is_disturbed(tiny_models):
+    """With --max-concurrent-requests 1, a Generate or Chat that arrives while
+    another streams ends at once with RESOURCE_EXHAUSTED and words; the stream
+    in progress and the refused chat's session are untouched, and a request
+    after the stream ends is served."""
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], max_concurrent_requests=1)
+    try:
+        with cluster.client() as client:
+            session = client.create_session()
+            # A random draft: about one token a round, so 400 tokens stream for a while.
+            stream = client.generate_stream(prompt_ids=PROMPT, max_tokens=400, num_draft_tokens=2)
+            streamed = list(next(stream).delta.token_ids)
+            for call in (lambda: client.generate(prompt_ids=PROMPT, max_tokens=5),
+                         lambda: client.chat(session, message_ids=PROMPT, max_tokens=5)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "limit of 1 concurrent requests" in refused.value.details()
+            for event in stream:
+                streamed.extend(event.delta.token_ids)
+            assert streamed == reference_greedy(tiny_models["target"], PROMPT, 400)
+            reply = client.chat(session, message_ids=PROMPT, max_tokens=5)
+            record = cluster.run(cluster.orchestrator.store.load("default", session))
+            client.delete_session(session)
+        assert reply.token_ids == reference_greedy(tiny_models["target"], PROMPT, 5)
+        assert record.tokens == PROMPT + reply.token_ids  # the refused turn left nothing behind
+        assert cluster.orchestrator.active_requests == 0
+    finally:
+        cluster.stop()
