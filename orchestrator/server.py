@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import logging
 import random
 from dataclasses import dataclass, field
@@ -12,8 +10,9 @@ import grpc
 
 from orchestrator.backends import TRANSPORTS, GrpcProposer, GrpcVerifier, ServiceUnavailable
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
+from orchestrator.guards import admitted, store_unavailable
 from orchestrator.policy import KPolicyConfig
-from orchestrator.store import STORE_UNAVAILABLE, SessionBusy, SessionForbidden, SessionNotFound, SessionStore
+from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
 from tandem import serving, telemetry
 from tandem.modeling import load_tokenizer, tokenizer_fingerprint
@@ -56,54 +55,6 @@ class OrchestratorConfig:
 
 class PairingError(RuntimeError):
     pass
-
-
-def _store_unavailable(rpc):
-    """An rpc whose session store (Redis) fails to answer ends with UNAVAILABLE
-    and words, not UNKNOWN. A generation commits each round before streaming
-    it, so what the client received is committed."""
-    async def abort(context, err):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"the session store (Redis) is unavailable: {err}")
-
-    if inspect.isasyncgenfunction(rpc):
-        @functools.wraps(rpc)
-        async def streaming(self, request, context):
-            try:
-                async for event in rpc(self, request, context):
-                    yield event
-            except STORE_UNAVAILABLE as err:
-                await abort(context, err)
-        return streaming
-
-    @functools.wraps(rpc)
-    async def unary(self, request, context):
-        try:
-            return await rpc(self, request, context)
-        except STORE_UNAVAILABLE as err:
-            await abort(context, err)
-    return unary
-
-
-def _admitted(rpc):
-    """A streaming rpc that counts against max_concurrent_requests: past the
-    limit it ends at once with RESOURCE_EXHAUSTED, before it touches a session,
-    so that an overloaded orchestrator sheds new requests instead of slowing
-    every stream it holds."""
-    @functools.wraps(rpc)
-    async def limited(self, request, context):
-        limit = self.config.max_concurrent_requests
-        if limit and self.active_requests >= limit:
-            telemetry.instruments().rejected_requests.add(1)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the orchestrator is serving its limit of {limit} concurrent requests "
-                                "(--max-concurrent-requests); retry later")
-        self.active_requests += 1
-        try:
-            async for event in rpc(self, request, context):
-                yield event
-        finally:
-            self.active_requests -= 1
-    return limited
 
 
 class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
@@ -258,8 +209,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             raise ValueError(f"{what} needs a tokenizer, and the model has none: send token ids")
 
     # --- rpcs ----------------------------------------------------------------------
-    @_admitted
-    @_store_unavailable
+    @admitted
+    @store_unavailable
     async def Generate(self, request, context):
         generation = await self._ready(context)
         tenant = self._tenant(context)
@@ -283,15 +234,15 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             if not request.keep_session:
                 await self._delete(tenant, record.session_id)
 
-    @_store_unavailable
+    @store_unavailable
     async def CreateSession(self, request, context):
         await self._ready(context)
         messages = [{"role": "system", "content": request.system_prompt}] if request.system_prompt else []
         record = await self.store.create(self._tenant(context), messages, request.ttl_seconds)
         return tandem_pb2.Session(session_id=record.session_id, committed_tokens=0)
 
-    @_admitted
-    @_store_unavailable
+    @admitted
+    @store_unavailable
     async def Chat(self, request, context):
         generation = await self._ready(context)
         tenant = self._tenant(context)
@@ -321,14 +272,14 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         async for event in self._stream(context, generation, record, turn, params, outcome, method="Chat", user=user):
             yield event
 
-    @_store_unavailable
+    @store_unavailable
     async def DeleteSession(self, request, context):
         tenant = self._tenant(context)
         await self._load(context, tenant, request.session_id)
         deleted = await self._delete(tenant, request.session_id)
         return tandem_pb2.DeleteSessionReply(deleted=deleted)
 
-    @_store_unavailable
+    @store_unavailable
     async def GetServerInfo(self, request, context):
         await self._ready(context)
         policy = self.config.policy
