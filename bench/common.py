@@ -49,6 +49,8 @@ class ModeResult:
     mean_k: float | None = None
     predraft_hit_rate: float | None = None
     overhead_ms_per_round_p50: float | None = None
+    overhead_ms_predrafted_p50: float | None = None  # rounds whose next block was pre-drafted: one call
+    overhead_ms_drafted_after_p50: float | None = None  # the next block drafted after the reply: two calls
     handover_ms_per_round_p50: float | None = None  # Redis commit + stream write, off the critical path
     verify_ms_p50: float | None = None  # the target's compute per verify (median over prompts of per-prompt medians)
     draft_step_ms_p50: float | None = None
@@ -140,6 +142,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     rounds = rejected = accepted = hits = attempts = 0
     k_sum = 0.0
     overheads, handovers, verifies, steps = [], [], [], []
+    predrafted, drafted_after = [], []
     per_position: list[int] = []
     tried: list[int] = []
     with TandemClient(address, timeout_s=3600) as client:
@@ -158,6 +161,10 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
             attempts += s.predraft_attempts
             k_sum += s.mean_k * s.rounds
             overheads.append(s.overhead_ms_p50)
+            if s.overhead_ms_p50_predrafted:
+                predrafted.append(s.overhead_ms_p50_predrafted)
+            if s.overhead_ms_p50_drafted_after:
+                drafted_after.append(s.overhead_ms_p50_drafted_after)
             handovers.append(s.handover_ms_p50)
             if s.verify_ms_p50:
                 verifies.append(s.verify_ms_p50)
@@ -179,6 +186,8 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     result.theory_tokens_per_round = expected_tokens_per_round(alpha, round(result.mean_k)) if rounds else 0.0
     result.predraft_hit_rate = hits / attempts if attempts else None
     result.overhead_ms_per_round_p50 = median(overheads)
+    result.overhead_ms_predrafted_p50 = median(predrafted)
+    result.overhead_ms_drafted_after_p50 = median(drafted_after)
     result.handover_ms_per_round_p50 = median(handovers)
     result.verify_ms_p50 = median(verifies)
     result.draft_step_ms_p50 = median(steps)

@@ -257,6 +257,10 @@ def main(argv=None) -> int:
         print(f"a verify of {sequential.mean_k:.0f}+1 tokens (b) costs {sequential.verify_ms_p50 / ms_per_token:.2f} "
               f"one-token decodes of the fastest target alone ({ms_per_token:.0f} ms); the pipelined ceiling (d) is "
               f"{cut((adaptive.ceiling_tok_s or 0) / baseline.tok_s):.2f}x the target alone on one node")
+    if adaptive.overhead_ms_predrafted_p50 is not None and adaptive.overhead_ms_drafted_after_p50 is not None:
+        print(f"(d)'s overhead p50 {adaptive.overhead_ms_per_round_p50:.2f} ms: {adaptive.overhead_ms_predrafted_p50:.2f} ms "
+              f"over rounds whose next block was pre-drafted (one model call on the critical path), "
+              f"{adaptive.overhead_ms_drafted_after_p50:.2f} ms over those drafted after the verify (two)")
     best_name, best_tok_s = best_ceiling(modes)
     if best_tok_s and sequential.tok_s:
         print(f"the highest pipelined ceiling, {best_name}'s {best_tok_s:.2f} tok/s, is "
@@ -275,6 +279,8 @@ def main(argv=None) -> int:
         "sequential_theory_tokens_per_round": sequential.theory_tokens_per_round,
         "predraft_hit_rate": adaptive.predraft_hit_rate,
         "overhead_ms_per_round_p50": adaptive.overhead_ms_per_round_p50,
+        "overhead_ms_per_round_p50_predrafted": adaptive.overhead_ms_predrafted_p50,
+        "overhead_ms_per_round_p50_drafted_after": adaptive.overhead_ms_drafted_after_p50,
         "handover_ms_per_round_p50": adaptive.handover_ms_per_round_p50,
         "target_alone_ms_per_token": ms_per_token,
         "sequential_verify_ms_p50": sequential.verify_ms_p50,

@@ -22,6 +22,7 @@ from tandem.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 UNDRAFTED = DraftBlock(tokens=[])  # a round on the target alone: the draft service is unavailable
+PREDRAFTED, DRAFTED_AFTER = "pre-drafted", "drafted after"  # how a round's next block came
 
 
 @dataclass
@@ -40,6 +41,8 @@ class RoundStats:
     predraft_attempts: int = 0
     undrafted_rounds: int = 0  # rounds on the target alone: the draft service was unavailable
     overhead_ms: list[float] = field(default_factory=list)
+    overhead_predrafted_ms: list[float] = field(default_factory=list)  # the next block was pre-drafted
+    overhead_drafted_after_ms: list[float] = field(default_factory=list)  # it was drafted after the reply
     handover_ms: list[float] = field(default_factory=list)  # the caller's commit and stream write, per round
     verify_ms: list[float] = field(default_factory=list)  # verifies of a block with at most one prefilled token
     draft_step_ms: list[float] = field(default_factory=list)
@@ -296,7 +299,7 @@ class Decoder:
                     block, prefetch = next_block, None
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
-                    launched = self._launched(launched, waited_ms, result, verified_k, "pre-drafted")
+                    launched = self._launched(launched, waited_ms, result, verified_k, PREDRAFTED)
                 else:
                     prefetch = asyncio.create_task(self._draft(self.policy.k, span))
                     tasks = [prefetch, dropped]
@@ -314,7 +317,7 @@ class Decoder:
                     waited_ms += block.compute_ms
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
-                    launched = self._launched(launched, waited_ms, result, verified_k, "drafted after")
+                    launched = self._launched(launched, waited_ms, result, verified_k, DRAFTED_AFTER)
         finally:
             for task in tasks:
                 if task is not None and not task.done():
@@ -327,6 +330,8 @@ class Decoder:
         now = time.perf_counter()
         wall_ms = (now - previous) * 1e3
         self.stats.overhead_ms.append(wall_ms - waited_ms)
+        by_kind = self.stats.overhead_predrafted_ms if how == PREDRAFTED else self.stats.overhead_drafted_after_ms
+        by_kind.append(wall_ms - waited_ms)
         log.debug("round %d: k %d, accepted %d, alpha %.2f, next k %d / ahead %d, verify %.0f ms (rpc %.1f ms), "
                   "waited %.0f ms, overhead %.2f ms, wall %.0f ms, next block %s",
                   self.stats.rounds, verified_k, result.accepted, self.policy.alpha or 0.0, self.policy.k,

@@ -54,6 +54,13 @@ async def test_in_process_decoder_matches_target_alone(tiny_models, pipeline):
         # every round after the first verifies a pre-drafted block.
         assert stats.predraft_hits >= stats.rounds - 2
     assert stats.cache_misses == 0
+    # Each round's overhead is filed by how its next block came: pre-drafted
+    # (a hit) or drafted after the verify's reply (sequential, or a miss).
+    assert len(stats.overhead_predrafted_ms) + len(stats.overhead_drafted_after_ms) == len(stats.overhead_ms)
+    if pipeline:
+        assert len(stats.overhead_predrafted_ms) == stats.predraft_hits
+    else:
+        assert stats.overhead_predrafted_ms == [] and len(stats.overhead_drafted_after_ms) == len(stats.overhead_ms)
 
 
 async def test_views_follow_what_each_service_holds(tiny_models):
