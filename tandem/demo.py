@@ -9,6 +9,7 @@ import sys
 import time
 
 CODE_PROMPT = "Write a Python function `is_prime(n)` that returns True when n is a prime number."
+WARM_UP_TOKENS = 32
 CHAT = ["Give me a one-line Python expression that reverses a string s.", "Now do the same for a list."]
 
 
@@ -65,9 +66,12 @@ def main(argv=None) -> int:
 
             # An untimed warm-up, as the target alone gets: first-call costs (each
             # shape's kernels) stay out of the timing, and the orchestrator starts
-            # from the step costs it has learned, as a running server does.
-            client.generate(CODE_PROMPT, max_tokens=8)
-            print(f"## Completion (after an untimed 8-token warm-up request)\n> {CODE_PROMPT}\n")
+            # from the step costs it has learned (shared by all sessions), as a
+            # server that has run for a while does. It tries each block length
+            # once before it knows its verify cost, and on a CPU whose verify
+            # grows with the block those first tries cost a short request dearly.
+            client.generate(CODE_PROMPT, max_tokens=WARM_UP_TOKENS)
+            print(f"## Completion (after an untimed {WARM_UP_TOKENS}-token warm-up request)\n> {CODE_PROMPT}\n")
             start = time.perf_counter()
             result = collect(client.generate_stream(CODE_PROMPT, max_tokens=args.max_tokens),
                              on_delta=lambda d: print(d.text, end="", flush=True))
