@@ -42,6 +42,9 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return "sliding-window layers"
     if getattr(config, "use_sliding_window", False):
         return "sliding-window attention"
+    window = getattr(config, "sliding_window", None)  # Mistral: a window for every layer, no layer_types
+    if window and getattr(config, "layer_types", None) is None and window < getattr(config, "max_position_embeddings", 0):
+        return f"sliding-window attention (window {window})"
     base = model.base_model
     if not getattr(base, "layers", None):
         return "no decoder layers"

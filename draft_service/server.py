@@ -129,6 +129,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except ValueError as err:
             raise InvalidRequest(str(err)) from None
+        self.check_context(request.prefix.length + len(new_tokens) + request.num_tokens - 1)  # the last is not run
         return ProposeCall(
             session_id=request.session_id,
             prefix_len=request.prefix.length,

@@ -11,9 +11,15 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this decode greedily, as in vLLM: dividing float32 logits
+# by a much smaller one overflows, and the softmax of the result is NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_p 1 and top_k 0 switch those filters off."""
+    """temperature 0 (or below GREEDY_BELOW_TEMPERATURE) is greedy. top_p 1 and
+    top_k 0 switch those filters off."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -21,8 +27,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -30,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -13,6 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from tandem import fingerprint
 
 log = logging.getLogger(__name__)
@@ -94,12 +96,15 @@ class SessionCache:
     def nbytes(self) -> int:
         if callable(getattr(self.kv, "nbytes", None)):  # draft_service.lean.StaticKV
             return self.kv.nbytes() + 16 * len(self.tokens)
-        total = 0
+        # The storage, not the tensor: a cropped layer is a view that still
+        # holds the rejected drafts' keys and values until its next update.
+        storages = {}
         for layer in getattr(self.kv, "layers", ()):
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if tensor is not None and hasattr(tensor, "nbytes"):
-                    total += tensor.nbytes
-        return total + 16 * len(self.tokens)
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values()) + 16 * len(self.tokens)
 
 
 class NullKV:

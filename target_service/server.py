@@ -45,7 +45,17 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                 raise InvalidRequest(
                     f"sampling needs draft_probs and draft_distributions for each of the {k} draft tokens"
                 )
-            draft_dists = torch.stack([decode_distribution(d) for d in request.draft_distributions])
+            if not all(0 <= p <= 1 for p in request.draft_probs):  # NaN fails too
+                raise InvalidRequest("draft_probs must lie in [0, 1]")
+            try:
+                dists = [decode_distribution(d) for d in request.draft_distributions]
+            except ValueError as err:
+                raise InvalidRequest(f"draft_distributions: {err}") from None
+            if len({d.shape[0] for d in dists}) > 1:
+                raise InvalidRequest("draft_distributions differ in vocab_size")
+            if max(draft_tokens) >= dists[0].shape[0]:
+                raise InvalidRequest("a draft token lies outside its draft distribution's vocab_size")
+            draft_dists = torch.stack(dists)
         return VerifyCall(
             session_id=request.session_id,
             prefix_len=request.prefix.length,

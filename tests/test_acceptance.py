@@ -117,7 +117,18 @@ def test_logits_processing_top_k_top_p_and_sample():
     assert sample(torch.tensor([0.0, 0.5, 0.0, 0.5]), 0.99) == 3
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("inf")), dict(temperature=float("nan")),
+                                 dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
 def test_sampling_params_reject_bad_values(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_vanishing_temperature_decodes_greedily():
+    """Float32 logits divided by 1e-39 overflow and their softmax is NaN; such
+    temperatures take the greedy path instead (argmax, as their limit)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert not torch.isfinite(torch.softmax(logits / 1e-39, dim=-1)).all()
+    assert SamplingParams(temperature=1e-39).greedy and SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+    assert logits_to_probs(logits, SamplingParams(temperature=1e-4))[0].tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -1,10 +1,11 @@
 """Bad input gets a clear error with the right gRPC status code, and nothing
 else is disturbed."""
 import grpc
+import numpy as np
 import pytest
 
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.conftest import Cluster, reference_greedy
+from tests.conftest import TINY_VOCAB, Cluster, reference_greedy
 
 PROMPT = [1, 2, 3, 4]
 
@@ -61,6 +62,31 @@ def test_mismatched_model_pair_is_refused(tiny_models):
         cluster.stop()
 
 
+def _dense(values, vocab_size=TINY_VOCAB):
+    return common_pb2.Distribution(dense_f32=np.asarray(values, dtype="<f4").tobytes(), vocab_size=vocab_size)
+
+
+ONE_HOT_5 = common_pb2.Distribution(ids=[5], probs=[1.0], vocab_size=TINY_VOCAB)
+BAD_DRAFT_DISTRIBUTIONS = [  # (draft_distributions, draft_probs) for the draft tokens [5, 6]
+    ([ONE_HOT_5, common_pb2.Distribution(dense_f32=b"\0" * 5, vocab_size=TINY_VOCAB)], [1.0, 1.0]),  # 5 bytes
+    ([ONE_HOT_5, common_pb2.Distribution(ids=[6, 7], probs=[1.0], vocab_size=TINY_VOCAB)], [1.0, 1.0]),
+    ([ONE_HOT_5, common_pb2.Distribution(ids=[500], probs=[1.0], vocab_size=TINY_VOCAB)], [1.0, 1.0]),
+    ([ONE_HOT_5, common_pb2.Distribution(ids=[-1], probs=[1.0], vocab_size=TINY_VOCAB)], [1.0, 1.0]),
+    ([ONE_HOT_5, common_pb2.Distribution(ids=[6], probs=[1.0], vocab_size=0)], [1.0, 1.0]),
+    ([ONE_HOT_5, common_pb2.Distribution(ids=[6], probs=[1.0], vocab_size=64)], [1.0, 1.0]),  # sizes differ
+    ([ONE_HOT_5, common_pb2.Distribution(ids=[6], probs=[float("nan")], vocab_size=TINY_VOCAB)], [1.0, 1.0]),
+    ([ONE_HOT_5, _dense([-1.0] + [0.0] * (TINY_VOCAB - 1))], [1.0, 1.0]),
+    ([common_pb2.Distribution(ids=[5], probs=[1.0], vocab_size=6)] * 2, [1.0, 1.0]),  # token 6 outside them
+    ([ONE_HOT_5, ONE_HOT_5], [1.0, 1.5]),  # a probability above 1
+]
+
+
+def _sampled_verify(prefix, dists, probs):
+    return target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1], draft_tokens=[5, 6],
+                                    draft_probs=probs, draft_distributions=dists,
+                                    sampling=common_pb2.SamplingParams(temperature=1.0))
+
+
 def test_model_services_check_their_input(random_cluster):
     prefix = common_pb2.PrefixRef(length=0)
     with grpc.insecure_channel(random_cluster.target_address) as channel:
@@ -72,6 +98,7 @@ def test_model_services_check_their_input(random_cluster):
             target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1], draft_tokens=[2],
                                      sampling=common_pb2.SamplingParams(temperature=1.0)),  # no draft probs
             target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1] * 600),  # past the context
+            *[_sampled_verify(prefix, dists, probs) for dists, probs in BAD_DRAFT_DISTRIBUTIONS],
         ]
         for request in bad:
             assert _code(lambda: target.Verify(request)) == grpc.StatusCode.INVALID_ARGUMENT
@@ -85,6 +112,13 @@ def test_model_services_check_their_input(random_cluster):
         draft = draft_pb2_grpc.DraftServiceStub(channel)
         zero_k = draft_pb2.ProposeRequest(session_id="s", prefix=prefix, new_tokens=[1], num_tokens=0)
         assert _code(lambda: draft.Propose(zero_k)) == grpc.StatusCode.INVALID_ARGUMENT
+        # The last proposed token is never run, so 508 + 5 tokens fit a context of 512, and 509 + 5 do not.
+        fits = draft_pb2.ProposeRequest(session_id="s2", prefix=prefix, new_tokens=[1] * 508, num_tokens=5)
+        assert len(draft.Propose(fits).tokens) == 5
+        past = draft_pb2.ProposeRequest(session_id="s3", prefix=prefix, new_tokens=[1] * 509, num_tokens=5)
+        with pytest.raises(grpc.RpcError) as info:
+            draft.Propose(past)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context window" in info.value.details()
         stale = draft_pb2.ProposeRequest(session_id="never-seen", prefix=common_pb2.PrefixRef(length=3, fingerprint=9),
                                          new_tokens=[1], num_tokens=2)
         assert _code(lambda: draft.Propose(stale)) == grpc.StatusCode.FAILED_PRECONDITION

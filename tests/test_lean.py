@@ -4,7 +4,8 @@ import threading
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM)
 
 from draft_service.drafters import ModelDrafter
 from draft_service.lean import LeanRunner, StaticKV, lean_runner, unsupported
@@ -92,6 +93,23 @@ def test_unsupported_models_fall_back_or_are_refused():
     assert lean_runner(llama, "cuda:0", "auto") is None  # not measured on a GPU: opt in with "on"
     with pytest.raises(ValueError, match="lean_step"):
         lean_runner(llama, "cpu", "fast")
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_mistral_runs_lean_only_without_a_sliding_window(window):
+    """Mistral configs carry a window for every layer and no layer_types; the
+    lean forward attends to the whole cache, so a window that can bind is refused."""
+    torch.manual_seed(3)
+    config = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           sliding_window=window, initializer_range=0.2)
+    mistral = _loaded(MistralForCausalLM(config))
+    if window is None:
+        assert unsupported(mistral.model) is None
+        _same_steps(mistral, [[5, 9, 17, 33, 2, 71], [40], [8, 90, 12], [3]])
+    else:
+        assert "sliding-window attention (window 4)" == unsupported(mistral.model)
+        assert lean_runner(mistral, "cpu", "auto") is None
 
 
 def test_a_cancelled_lean_draft_stops_between_layers_and_its_cache_goes_on_exactly(tiny_models):

@@ -107,6 +107,30 @@ def test_session_cache_store_evicts_least_recently_used():
     assert cropped == 1 and cache.tokens == [1, 2]
 
 
+def test_cache_budget_counts_what_a_cropped_verify_still_holds(tiny_models):
+    """A verify crops its rejected drafts by slicing; the slice still holds their
+    keys and values until the session's next forward, and the budget must see them."""
+    from transformers import AutoConfig
+
+    from tandem.modeling import ModelConfig, ModelRunner, load
+    from tandem.sampling import SamplingParams
+    from tandem.session_cache import SessionCacheStore
+    from target_service.verifier import Verifier, VerifyCall
+
+    runner = ModelRunner(load(ModelConfig(tiny_models["target"], dtype="float32")), "cpu")
+    store = SessionCacheStore(runner.new_cache)
+    prompt = [1, 2, 3, 4]
+    greedy = reference_greedy(tiny_models["target"], prompt, 1)[0]
+    drafts = [(greedy + 1) % 128] + [5] * 15  # the first draft token is rejected
+    outcome = Verifier(runner, store).verify(VerifyCall("s", 0, 0, prompt, drafts, [], None, SamplingParams()))
+    assert outcome.accepted == 0 and outcome.next_token == greedy
+    config = AutoConfig.from_pretrained(tiny_models["target"])
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # keys + values, fp32
+    held_positions = len(prompt) + len(drafts)
+    assert store.total_bytes() == per_position * held_positions + 16 * len(prompt)
+
+
 def test_a_request_takes_the_session_as_the_previous_request_left_it():
     """A request loads its session before it takes the session's lock. Under the
     lock it takes the service lengths the previous holder saved; if that holder
