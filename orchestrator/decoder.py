@@ -142,9 +142,11 @@ class Decoder:
         view.length = min(view.length, len(self.committed) - 1)
         return view.length
 
-    def _room(self, k: int) -> int:
-        """k, less what would run past the context window in the verify."""
-        return max(0, min(k, self.max_context - len(self.committed) - 1))
+    def _room(self, k: int, ahead: int = 0) -> int:
+        """k, less what would run past the context window in the verify of a
+        block drafted `ahead` tokens past the committed ones (a pre-draft: the
+        block it follows, and the bonus token)."""
+        return max(0, min(k, self.max_context - len(self.committed) - ahead - 1))
 
     async def _resynced(self, view: ServiceView, span, call):
         """call(base), sending the committed tokens after what the service is
@@ -243,9 +245,9 @@ class Decoder:
         """Starts verifying `block` and, when pipelining, pre-drafting the next one."""
         verify = asyncio.create_task(self._verify(block, round_span))
         pre = None
-        if (self.pipeline and block.tokens and self._room(len(block.tokens) + self.policy.k_ahead + 1)
-                and self.breaker.allows()):
-            pre = asyncio.create_task(self._predraft(block, self.policy.k_ahead, round_span))
+        ahead = self._room(self.policy.k_ahead, ahead=len(block.tokens) + 1)
+        if self.pipeline and block.tokens and ahead and self.breaker.allows():
+            pre = asyncio.create_task(self._predraft(block, ahead, round_span))
             self.stats.predraft_attempts += 1
         return verify, pre
 

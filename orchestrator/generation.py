@@ -71,6 +71,8 @@ class Generation:
         # beside a running pre-draft costs more, so each mode has its own.
         self.costs = {mode: StepCosts(config.policy.ema) for mode in (False, True)}
         self.breaker = DraftBreaker(enabled=config.draft_fallback)
+        # The draft's window, once paired: past it, rounds decode on the target alone.
+        self.draft_max_context: int | None = None
 
     def policy_for(self, params: RequestParams, pipeline: bool) -> KPolicy:
         cfg = self.config.policy
@@ -91,7 +93,8 @@ class Generation:
         decoder = Decoder(
             self.proposer, self.verifier, record.session_id, committed,
             ServiceView(record.draft_len), ServiceView(record.target_len),
-            params.sampling, self.policy_for(params, pipeline), pipeline, self.config.max_context, span,
+            params.sampling, self.policy_for(params, pipeline), pipeline,
+            min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
             self.breaker,
         )
         metrics = RequestMetrics(telemetry.instruments())

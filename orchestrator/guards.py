@@ -2,6 +2,7 @@
 orchestrator, or one whose session store is down, answers."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -22,8 +23,9 @@ def store_unavailable(rpc):
         @functools.wraps(rpc)
         async def streaming(self, request, context):
             try:
-                async for event in rpc(self, request, context):
-                    yield event
+                async with contextlib.aclosing(rpc(self, request, context)) as events:
+                    async for event in events:
+                        yield event
             except STORE_UNAVAILABLE as err:
                 await abort(context, err)
         return streaming
@@ -52,8 +54,9 @@ def admitted(rpc):
                                 "(--max-concurrent-requests); retry later")
         self.active_requests += 1
         try:
-            async for event in rpc(self, request, context):
-                yield event
+            async with contextlib.aclosing(rpc(self, request, context)) as events:
+                async for event in events:
+                    yield event
         finally:
             self.active_requests -= 1
     return limited

@@ -12,6 +12,11 @@ def expected_tokens_per_round(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+# A pre-draft proposes k + 1 tokens (the bonus guess, then k), and the draft
+# service proposes at most 64 in one call (draft_service.server.MAX_DRAFT_TOKENS).
+MAX_K = 63
+
+
 @dataclass(frozen=True)
 class KPolicyConfig:
     k: int = 4  # the fixed k, and the adaptive policy's start
@@ -21,8 +26,8 @@ class KPolicyConfig:
     ema: float = 0.3  # weight of the newest observation
 
     def __post_init__(self):
-        if not 1 <= self.k_min <= self.k <= self.k_max:
-            raise ValueError(f"need 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+        if not 1 <= self.k_min <= self.k <= self.k_max <= MAX_K:
+            raise ValueError(f"need 1 <= k_min <= k <= k_max <= {MAX_K}, got {self.k_min}, {self.k}, {self.k_max}")
         if not 0 < self.ema <= 1:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
 

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from dataclasses import dataclass, field
 
 import grpc
 
-from orchestrator.backends import TRANSPORTS, GrpcProposer, GrpcVerifier, ServiceUnavailable
+from orchestrator.backends import TRANSPORTS, GrpcProposer, GrpcVerifier, ServiceCacheMiss, ServiceUnavailable
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
 from orchestrator.guards import admitted, store_unavailable
 from orchestrator.policy import KPolicyConfig
@@ -106,6 +107,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             self._pairing = asyncio.create_task(self._pair_draft_later())
         else:
             self.draft_info = draft
+            self.generation.draft_max_context = draft.max_context
             log.info("paired draft %s (%s) with target %s", draft.model_id, draft.backend, target.model_id)
 
     @staticmethod
@@ -144,6 +146,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     refused = mismatch
                 continue
             self.draft_info = draft
+            self.generation.draft_max_context = draft.max_context
             self.generation.breaker.resume()
             log.warning("paired draft %s (%s) with target %s: drafting again", draft.model_id, draft.backend,
                         self.target_info.model_id)
@@ -228,8 +231,10 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         record = await self.store.create(tenant)
         try:
-            async for event in self._stream(context, generation, record, prompt, params, method="Generate"):
-                yield event
+            async with contextlib.aclosing(self._stream(context, generation, record, prompt, params,
+                                                        method="Generate")) as events:
+                async for event in events:
+                    yield event
         finally:
             if not request.keep_session:
                 await self._delete(tenant, record.session_id)
@@ -269,8 +274,10 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         outcome = TurnOutcome()
-        async for event in self._stream(context, generation, record, turn, params, outcome, method="Chat", user=user):
-            yield event
+        async with contextlib.aclosing(self._stream(context, generation, record, turn, params, outcome,
+                                                    method="Chat", user=user)) as events:
+            async for event in events:
+                yield event
 
     @store_unavailable
     async def DeleteSession(self, request, context):
@@ -322,17 +329,31 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             try:
                 async with self.store.lock(record):
                     await self.store.refresh(record)  # the record was loaded before the lock
-                    async for event in generation.run(record, turn, params, outcome, span):
-                        yield event
+                    # Closed here, so that the generation's own cleanup (saving the
+                    # session) runs before the lock is released, even when gRPC drops
+                    # this generator on a client's cancel.
+                    async with contextlib.aclosing(generation.run(record, turn, params, outcome, span)) as events:
+                        async for event in events:
+                            yield event
                     if user is not None:
                         record.messages += [user, {"role": "assistant", "content": outcome.text}]
                         await self.store.save_meta(record)
             except SessionBusy as err:
                 await context.abort(grpc.StatusCode.ABORTED, str(err))
-            except ServiceUnavailable as err:
+            except SessionNotFound as err:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+            except (ServiceUnavailable, ServiceCacheMiss) as err:
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE,
                     f"a model service failed mid-generation ({err}); the tokens streamed so far are committed",
+                )
+            except grpc.aio.AioRpcError as err:  # a model service refused a call: a bug, not the client's input
+                log.error("a model service refused a call of session %s: %s: %s", record.session_id,
+                          err.code().name, err.details())
+                await context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"a model service refused a call ({err.code().name}: {err.details()}); "
+                    "the tokens streamed so far are committed",
                 )
 
     async def _delete(self, tenant: str, session_id: str) -> bool:

@@ -15,6 +15,23 @@ from dataclasses import dataclass, field
 import redis.asyncio as redis
 from redis import exceptions as redis_errors
 
+# Writes to a session that is still there: a session deleted (or expired)
+# during a generation is not re-created by its last writes. KEYS: the hash,
+# its token list, the owner key.
+_APPEND = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 2, #ARGV, 4096 do
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 4095, #ARGV)))
+end
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[1]) end
+return 1
+"""  # ARGV: ttl, then the tokens (pushed 4096 at a time: Lua's unpack has a limit)
+_SAVE_META = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""  # ARGV: field, value, ...
+
 # Redis down or not answering: the session store is unavailable (the
 # orchestrator answers UNAVAILABLE), as opposed to a request it refuses.
 STORE_UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
@@ -41,6 +58,7 @@ class SessionRecord:
     draft_len: int = 0  # how many committed tokens the draft service is believed to hold
     target_len: int = 0
     ttl_s: int = 3600
+    lock: "_SessionLock | None" = field(default=None, repr=False, compare=False)  # while a request holds it
 
 
 class SessionStore:
@@ -48,6 +66,8 @@ class SessionStore:
         self.redis = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
         self.default_ttl_s = default_ttl_s
         self.lock_s = lock_s
+        self._append = self.redis.register_script(_APPEND)
+        self._save_meta = self.redis.register_script(_SAVE_META)
 
     @staticmethod
     def _key(tenant: str, session_id: str) -> str:
@@ -96,16 +116,18 @@ class SessionStore:
             ttl_s=int(meta[b"ttl"]),
         )
 
-    async def append_tokens(self, record: SessionRecord, tokens: list[int]) -> None:
-        """Commits tokens (one round trip) and refreshes the TTL."""
+    def _keys(self, record: SessionRecord) -> list[str]:
         key = self._key(record.tenant, record.session_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if tokens:
-                pipe.rpush(f"{key}:tokens", *tokens)
-            pipe.expire(f"{key}:tokens", record.ttl_s)
-            pipe.expire(key, record.ttl_s)
-            pipe.expire(f"tandem:owner:{record.session_id}", record.ttl_s)
-            await pipe.execute()
+        return [key, f"{key}:tokens", f"tandem:owner:{record.session_id}"]
+
+    async def append_tokens(self, record: SessionRecord, tokens: list[int]) -> None:
+        """Commits tokens (one round trip) and refreshes the TTL; keeps the
+        request's lock alive. Raises SessionNotFound if the session was deleted
+        meanwhile (nothing is written then), SessionBusy if the lock was lost."""
+        if record.lock is not None:
+            await record.lock.keep()
+        if not await self._append(keys=self._keys(record), args=[record.ttl_s, *tokens]):
+            raise SessionNotFound(f"session {record.session_id!r} was deleted or expired during this request")
         record.tokens.extend(tokens)
 
     async def refresh(self, record: SessionRecord) -> None:
@@ -118,12 +140,11 @@ class SessionStore:
             raise SessionBusy("the session changed while this request was being prepared; send it again")
         record.draft_len, record.target_len = fresh.draft_len, fresh.target_len
 
-    async def save_meta(self, record: SessionRecord) -> None:
-        await self.redis.hset(self._key(record.tenant, record.session_id), mapping={
-            "messages": json.dumps(record.messages),
-            "draft_len": record.draft_len,
-            "target_len": record.target_len,
-        })
+    async def save_meta(self, record: SessionRecord) -> bool:
+        """Saves the history and the services' lengths; False (and nothing
+        written) if the session was deleted meanwhile."""
+        return bool(await self._save_meta(keys=self._keys(record)[:1], args=[
+            "messages", json.dumps(record.messages), "draft_len", record.draft_len, "target_len", record.target_len]))
 
     async def delete(self, tenant: str, session_id: str) -> bool:
         await self._check_owner(tenant, session_id)
@@ -132,24 +153,43 @@ class SessionStore:
         return removed > 0
 
     def lock(self, record: SessionRecord):
-        """One request at a time per session (across orchestrator replicas)."""
-        return _SessionLock(self.redis, f"{self._key(record.tenant, record.session_id)}:lock", self.lock_s)
+        """One request at a time per session (across orchestrator replicas). The
+        lock expires after lock_s unless the holder commits tokens, which renew it."""
+        return _SessionLock(self.redis, f"{self._key(record.tenant, record.session_id)}:lock", self.lock_s, record)
 
     async def close(self) -> None:
         await self.redis.aclose()
 
 
 class _SessionLock:
-    def __init__(self, client, key: str, timeout_s: int):
+    def __init__(self, client, key: str, timeout_s: float, record: SessionRecord):
         self._lock = client.lock(key, timeout=timeout_s, blocking=False)
+        self.timeout_s = timeout_s
+        self.record = record
+        self._renewed = 0.0
 
     async def __aenter__(self):
         if not await self._lock.acquire():
             raise SessionBusy("the session is already generating; wait for that request to finish")
+        self._renewed = time.monotonic()
+        self.record.lock = self
         return self
 
+    async def keep(self) -> None:
+        """Renews the lock once a third of its time has passed; raises SessionBusy
+        if it expired (another request may hold the session now)."""
+        if time.monotonic() - self._renewed < self.timeout_s / 3:
+            return
+        try:
+            await self._lock.reacquire()
+        except redis_errors.LockError:
+            raise SessionBusy(f"this request lost the session's lock (held over {self.timeout_s:g} s without "
+                              "a commit); the tokens streamed so far are committed") from None
+        self._renewed = time.monotonic()
+
     async def __aexit__(self, *exc):
+        self.record.lock = None
         try:
             await self._lock.release()
-        except Exception:  # expired while held: nothing to release
+        except Exception:  # expired while held (nothing to release), or Redis is down: it expires
             pass

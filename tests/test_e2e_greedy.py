@@ -2,7 +2,7 @@
 generate(do_sample=False) on the target alone, token for token (fp32)."""
 import pytest
 
-from tests.conftest import reference_greedy
+from tests.conftest import Cluster, build_tiny_model, reference_greedy
 
 PROMPTS = [[5, 17, 99, 3, 42], [7] * 3 + [64, 12, 1, 0, 127, 33], list(range(20, 60))]
 
@@ -21,6 +21,36 @@ def test_draft_equals_target_accepts_everything(same_cluster, tiny_models, pipel
             # the services' compute per verify and per draft step reach the client
             assert 0 < stats.verify_ms_p50 < stats.total_ms
             assert 0 < stats.draft_step_ms_p50 < stats.total_ms
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_request_may_fill_the_context_window_exactly(same_cluster, tiny_models, pipeline):
+    """Near the end of the window the blocks, pre-drafted ones included, are cut
+    to the room left (a pre-draft of k_ahead tokens once ran past it)."""
+    with same_cluster.client() as client:
+        for prompt_len in range(500, 509):
+            prompt = [(7 * i) % 128 for i in range(prompt_len)]
+            result = client.generate(prompt_ids=prompt, max_tokens=512 - prompt_len, num_draft_tokens=4,
+                                     pipeline=pipeline)
+            assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 512 - prompt_len)
+            assert result.finish_reason == "length"
+
+
+def test_past_a_shorter_draft_window_rounds_go_on_without_drafts(tiny_models, tmp_path):
+    """A draft whose context window (64) ends before the target's (512): rounds
+    past it decode on the target alone, and the output stays exact."""
+    short_draft = build_tiny_model(tmp_path / "short", seed=0, max_context=64)  # the target's weights
+    cluster = Cluster(tiny_models["target"], short_draft, k=4)
+    try:
+        with cluster.client() as client:
+            for pipeline in (False, True):
+                prompt = list(range(3, 53))
+                result = client.generate(prompt_ids=prompt, max_tokens=40, pipeline=pipeline)
+                assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 40)
+                assert result.stats.drafted_tokens > 0  # drafts up to the draft's window
+                assert result.stats.rounds >= 40 - (64 - len(prompt))  # one token a round past it
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.parametrize("pipeline", [False, True])

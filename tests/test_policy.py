@@ -49,6 +49,9 @@ def test_fixed_k_never_moves():
 def test_config_checks_itself():
     with pytest.raises(ValueError):
         KPolicyConfig(k=9, k_max=8)
+    KPolicyConfig(k=4, k_max=63)
+    with pytest.raises(ValueError, match="k_max <= 63"):  # a pre-draft of k_max + 1 tokens would be refused
+        KPolicyConfig(k=4, k_max=64)
 
 
 def test_pipelined_k_stops_where_the_draft_outlasts_the_verify():

@@ -216,3 +216,93 @@ def test_a_redis_outage_answers_unavailable_with_words_and_service_resumes(tiny_
     finally:
         cluster.stop()
         redis_proc.kill()
+
+
+def _tenant_keys(tenant: str) -> dict[str, int]:
+    """The session store's keys of `tenant`, with their TTLs (-1: none)."""
+    import redis
+
+    from tests.conftest import REDIS_URL
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        return {key.decode(): client.ttl(key) for key in client.keys(f"tandem:{tenant}:*")}
+    finally:
+        client.close()
+
+
+def test_a_session_deleted_while_it_generates_ends_the_stream_and_leaves_nothing(random_cluster):
+    tenant = f"deleted-{time.monotonic_ns()}"
+    with random_cluster.client(tenant=tenant) as client, random_cluster.client(tenant=tenant) as other:
+        session = client.create_session()
+        stream = client.chat_stream(session, message_ids=TURN1, max_tokens=400, num_draft_tokens=2)
+        assert next(stream).delta.token_ids
+        assert other.delete_session(session)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "deleted" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            client.chat(session, message_ids=TURN2, max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _tenant_keys(tenant) == {}  # the generation's last writes did not re-create it
+
+
+def test_a_generate_dropped_by_grpc_cleans_up_inner_first(random_cluster):
+    """On a client's cancel, grpc.aio may drop a handler's generator, which
+    finalizes it outermost first. Generate deletes its session in its own
+    cleanup; the generation must have saved and unlocked the session before."""
+    import asyncio
+    import gc
+
+    from tandem.v1 import tandem_pb2
+
+    tenant = f"dropped-{time.monotonic_ns()}"
+
+    class Context:
+        def invocation_metadata(self):
+            return (("x-tandem-tenant", tenant),)
+
+        async def abort(self, code, details):
+            raise AssertionError(f"aborted: {code} {details}")
+
+    async def scenario():
+        request = tandem_pb2.GenerateRequest(params=tandem_pb2.GenerationParams(max_tokens=100))
+        request.token_ids.ids.extend(TURN1)
+        handler = random_cluster.orchestrator.Generate(request, Context())
+        assert (await handler.__anext__()).delta.token_ids
+        await handler.aclose()
+        for _ in range(10):  # anything left to finalize runs now
+            gc.collect()
+            await asyncio.sleep(0.02)
+
+    random_cluster.run(scenario())
+    assert _tenant_keys(tenant) == {}
+
+
+def test_the_session_lock_is_renewed_by_commits_and_a_lost_lock_stops_the_request():
+    import asyncio
+
+    from orchestrator.store import SessionBusy, SessionStore
+    from tests.conftest import REDIS_URL
+
+    async def scenario():
+        store = SessionStore(REDIS_URL, lock_s=1)
+        try:
+            record = await store.create("t-lock")
+            async with store.lock(record):
+                for _ in range(4):  # 1.6 s in all, renewed as it goes
+                    await asyncio.sleep(0.4)
+                    await store.append_tokens(record, [1])
+                with pytest.raises(SessionBusy):  # still held: a second request is refused
+                    async with store.lock(await store.load("t-lock", record.session_id)):
+                        pass
+                await asyncio.sleep(1.2)  # no commit for longer than the lock lives
+                with pytest.raises(SessionBusy, match="lost the session's lock"):
+                    await store.append_tokens(record, [2])
+            assert (await store.load("t-lock", record.session_id)).tokens == [1, 1, 1, 1]
+            await store.delete("t-lock", record.session_id)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
