@@ -99,6 +99,7 @@ class Generation:
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)
+        streamed = ""  # the completion's text sent so far
         completion: list[int] = []
         finish = tandem_pb2.FINISH_REASON_UNSPECIFIED
         first_token_ms = 0.0
@@ -110,10 +111,14 @@ class Generation:
                 if keep:
                     await self.store.append_tokens(record, keep)
                     completion.extend(keep)
-                    emitted = len(detok.text)
-                    text = detok.add(keep)
+                    detok.add(keep)
                     if finish == tandem_pb2.FINISH_REASON_STOP:
-                        text = _before_stop(detok.full_text(), params.stop)[emitted:]
+                        visible = _before_stop(detok.full_text(), params.stop)
+                    elif finish == tandem_pb2.FINISH_REASON_UNSPECIFIED:
+                        visible = _short_of_stop(detok.text, params.stop)
+                    else:
+                        visible = detok.text
+                    text, streamed = visible[len(streamed):], visible
                     if not first_token_ms:
                         first_token_ms = (time.perf_counter() - started) * 1e3
                     yield _event_delta(keep, text)
@@ -176,12 +181,16 @@ class Generation:
         """The part of a round's tokens to commit, and the finish reason it causes."""
         limit = min(params.max_tokens, room) - len(completion)
         at_limit = tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens <= room else tandem_pb2.FINISH_REASON_CONTEXT
+        # A stop string ending at a new token lies within its last tokens: a token
+        # is at least a byte, a character at most 4. Decoding only those keeps the
+        # check linear in the completion's length.
+        window = 4 * max((len(stop) for stop in params.stop), default=0) + 8
         for i, token in enumerate(newly[:limit]):
             if token in self.eos_ids:
                 return newly[: i + 1], tandem_pb2.FINISH_REASON_EOS
             if params.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(completion + newly[: i + 1], skip_special_tokens=True)
-                if find_stop(text, list(params.stop)) >= 0:
+                tail = (completion + newly[: i + 1])[-window:]
+                if find_stop(self.tokenizer.decode(tail, skip_special_tokens=True), list(params.stop)) >= 0:
                     return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP
         if len(newly) >= limit:
             return newly[:limit], at_limit
@@ -252,3 +261,14 @@ def _median(values: list[float]) -> float:
 def _before_stop(text: str, stops) -> str:
     cut = find_stop(text, list(stops))
     return text[:cut] if cut >= 0 else text
+
+
+def _short_of_stop(text: str, stops) -> str:
+    """text less its longest ending that a stop string could start with: that
+    part is held back until the next tokens show whether the stop follows (the
+    client never sees a stop string's beginning)."""
+    longest = max((len(stop) for stop in stops), default=0)
+    for start in range(max(0, len(text) - longest + 1), len(text)):
+        if any(len(stop) > len(text) - start and stop.startswith(text[start:]) for stop in stops):
+            return text[:start]
+    return text

@@ -162,7 +162,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         if tokenizer is not None and tokenizer_fingerprint(tokenizer, target.vocab_size) != target.tokenizer_fingerprint:
             raise PairingError(f"tokenizer {source!r} does not match the target model's")
         self.tokenizer = tokenizer
-        self.template = ChatTemplate(tokenizer)
+        self.template = ChatTemplate(tokenizer, target.eos_token_ids)
 
     # --- request checks -----------------------------------------------------------
     async def _ready(self, context) -> Generation:
@@ -192,6 +192,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             top_k=msg.top_k if msg.HasField("top_k") else 0,
             seed=seed,
         )
+        if msg.stop:
+            self._need_tokenizer("a stop string")
         return RequestParams(
             sampling=sampling,
             max_tokens=msg.max_tokens if msg.HasField("max_tokens") else self.config.default_max_tokens,

@@ -51,8 +51,9 @@ class ChatTemplate:
 
     SENTINEL = "\u2063TANDEM\u2063"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, end_ids=()):
         self.tokenizer = tokenizer
+        self.end_ids = set(end_ids)  # the tokens that end a reply (the model's EOS ids)
 
     @property
     def available(self) -> bool:
@@ -81,7 +82,10 @@ class ChatTemplate:
         # less what generation already produced (the end-of-turn token).
         probe = self._render([*history[:-1], {"role": "assistant", "content": self.SENTINEL}], False)
         closing = probe[probe.rfind(self.SENTINEL) + len(self.SENTINEL):]
-        produced = self.tokenizer.decode(ended_with[-1:]) if ended_with else ""
-        if produced and closing.startswith(produced):
-            closing = closing[len(produced):]
+        # Only a reply that ended with its end-of-turn token produced part of the
+        # closing; one cut by max_tokens or a stop string did not, whatever its text.
+        if ended_with and ended_with[-1] in self.end_ids:
+            produced = self.tokenizer.decode(ended_with[-1:])
+            if produced and closing.startswith(produced):
+                closing = closing[len(produced):]
         return self._encode(closing + delta)

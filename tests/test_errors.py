@@ -28,6 +28,8 @@ def _code(call) -> grpc.StatusCode:
     dict(prompt_ids=PROMPT, max_tokens=600),  # 4 + 600 > the tiny model's 512
     dict(prompt_ids=[1, 500]),  # outside the vocabulary
     dict(prompt="text, but the tiny model has no tokenizer"),
+    dict(prompt_ids=PROMPT, stop=["a stop string, but no tokenizer to find it with"]),
+    dict(prompt_ids=PROMPT, temperature=float("inf")),
 ])
 def test_bad_generate_requests_are_invalid_argument(random_cluster, kwargs):
     with random_cluster.client() as client:

@@ -71,7 +71,7 @@ def test_next_chat_turn_extends_the_committed_tokens(tokenizer, ended_with_eos):
     whole conversation, so both caches are reused and nothing is re-encoded."""
     from orchestrator.text import ChatTemplate
 
-    template = ChatTemplate(tokenizer)
+    template = ChatTemplate(tokenizer, [tokenizer.convert_tokens_to_ids("<|im_end|>")])
     user1 = {"role": "user", "content": "Reverse a string s in Python."}
     reply = {"role": "assistant", "content": "Use s[::-1]."}
     user2 = {"role": "user", "content": "And a list?"}
@@ -82,3 +82,18 @@ def test_next_chat_turn_extends_the_committed_tokens(tokenizer, ended_with_eos):
     whole = tokenizer.apply_chat_template([user1, reply, user2], tokenize=True, add_generation_prompt=True,
                                           return_dict=False)
     assert committed + turn2 == whole
+
+
+def test_a_reply_cut_after_a_token_that_starts_the_closing_still_gets_it_whole(tokenizer):
+    """A reply cut by max_tokens right after "<" did not produce the "<" of the
+    closing "<|im_end|>": the new turn starts with the whole end-of-turn token."""
+    from orchestrator.text import ChatTemplate
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    template = ChatTemplate(tokenizer, [im_end])
+    user1 = {"role": "user", "content": "Write some HTML."}
+    committed = template.first_turn([user1]) + tokenizer.encode("<div>", add_special_tokens=False)
+    committed.append(tokenizer.convert_tokens_to_ids("<"))
+    reply = {"role": "assistant", "content": "<div><"}
+    turn2 = template.next_turn([user1, reply], {"role": "user", "content": "More."}, committed)
+    assert turn2[0] == im_end

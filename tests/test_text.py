@@ -1,0 +1,83 @@
+"""Stop strings in the stream: what the client sees never holds the beginning
+of a stop string, across rounds; scripted services, real Redis."""
+import asyncio
+
+import pytest
+
+from orchestrator.backends import DraftBlock, VerifyResult
+from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome, _short_of_stop
+from orchestrator.store import SessionStore
+from tandem.sampling import SamplingParams
+from tests.conftest import REDIS_URL
+
+ALPHABET = " abcdefghijklmnopqrstuvwxyzEND<>"
+
+
+class CharTokenizer:
+    """One character a token."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(ALPHABET[i] for i in ids)
+
+
+class ScriptedProposer:
+    async def propose(self, *args, **kwargs):
+        return DraftBlock(tokens=[])
+
+
+class ScriptedVerifier:
+    """Commits the script's next character, one a round."""
+
+    def __init__(self, script: str):
+        self.ids = [ALPHABET.index(c) for c in script]
+
+    async def verify(self, session_id, prefix, new_tokens, block, sampling):
+        return VerifyResult(accepted=0, next_token=self.ids[prefix.length + len(new_tokens) - 1])
+
+
+def _stream(script: str, stop: tuple[str, ...], max_tokens: int = 20):
+    async def run():
+        store = SessionStore(REDIS_URL)
+        generation = Generation(ScriptedProposer(), ScriptedVerifier(script), store, CharTokenizer(), set(),
+                                EngineConfig(pipeline=False))
+        record = await store.create("t-stop")
+        deltas, outcome, final = [], TurnOutcome(), None
+        try:
+            params = RequestParams(SamplingParams(), max_tokens=max_tokens, stop=stop)
+            async for event in generation.run(record, [0], params, outcome):
+                if event.HasField("delta"):
+                    deltas.append(event.delta.text)
+                else:
+                    final = event.final
+        finally:
+            await store.delete("t-stop", record.session_id)
+            await store.close()
+        return deltas, outcome, final
+
+    return asyncio.run(run())
+
+
+def test_a_stop_string_split_across_rounds_is_never_streamed():
+    deltas, outcome, final = _stream("hello ENDworld", stop=("END",))
+    assert "".join(deltas) == outcome.text == "hello "
+    assert all("E" not in delta for delta in deltas)
+    assert final.usage.completion_tokens == 9  # "hello END": the stop's tokens are committed
+
+
+def test_text_held_back_for_a_stop_that_does_not_come_is_sent_with_the_next_round():
+    deltas, outcome, final = _stream("a <b <END", stop=("<END>",), max_tokens=9)
+    assert "".join(deltas) == outcome.text == "a <b <END"  # finished by length: all of it
+    # "<" is held back until "b" shows it starts no stop; "<EN" until the length ends the request
+    assert deltas == ["a", " ", "", "<b", " ", "", "", "", "<END"]
+
+
+@pytest.mark.parametrize("text, stops, expected", [
+    ("hello EN", ("END",), "hello "),
+    ("hello E", ("END", "Ex"), "hello "),
+    ("hello", ("END",), "hello"),
+    ("ab", ("abc", "b"), ""),  # "ab" could still become "abc"
+    ("xEND", ("END",), "xEND"),  # a whole stop is the caller's to cut
+    ("text", (), "text"),
+])
+def test_short_of_stop(text, stops, expected):
+    assert _short_of_stop(text, stops) == expected
