@@ -44,7 +44,21 @@ class ModelServiceBase:
         self.prefill_tokens = 0
         self.calls = 0
         self.draining = asyncio.Event()  # set on SIGTERM: streams end once their calls are answered
+        self._sweeper: asyncio.Task | None = None  # drops idle sessions while no call comes
         telemetry.watch_service(self)
+
+    def _sweep_idle(self) -> None:
+        """Started by the first call: every quarter of the TTL (at most a minute),
+        drops the sessions idle past it, so that an idle service frees them too
+        (a call does it on its way in)."""
+        if self._sweeper is None and self.store.ttl_s:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        period = min(max(self.store.ttl_s / 4, 0.05), 60.0)
+        while True:
+            await asyncio.sleep(period)
+            await self.worker.run(self.store.expire_idle)
 
     # --- checks ---------------------------------------------------------------
     def check_tokens(self, request_tokens, what: str, vocab_size: int) -> list[int]:
@@ -80,6 +94,7 @@ class ModelServiceBase:
         from tandem.session_cache import CacheMiss
 
         self.calls += 1
+        self._sweep_idle()
         try:
             return await self.worker.run(fn, *args, cancelled=cancelled, span=f"tandem.{self.role}.compute")
         except CacheMiss as miss:

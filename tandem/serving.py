@@ -3,6 +3,7 @@ reflection, a single model worker thread, status helpers and graceful drain."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -118,18 +119,30 @@ class ModelWorker:
         the current one while tracing."""
         if span is not None:
             fn = telemetry.in_span(span, fn)
+        loop = asyncio.get_running_loop()
+        job = self._executor.submit(fn, *args)
+        # A call counts in queue_depth until its function has run, or was
+        # cancelled before it started: a cancelled call that is running still
+        # holds the worker.
         self.queue_depth += 1
+        job.add_done_callback(lambda _: _call_soon(loop, self._left))
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
             if cancelled is not None:
                 cancelled.set()
             raise
-        finally:
-            self.queue_depth -= 1
+
+    def _left(self) -> None:
+        self.queue_depth -= 1
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+        loop.call_soon_threadsafe(fn)
 
 
 async def abort_cache_miss(context: grpc.aio.ServicerContext, miss: Exception):

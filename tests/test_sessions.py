@@ -306,3 +306,35 @@ def test_the_session_lock_is_renewed_by_commits_and_a_lost_lock_stops_the_reques
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_an_idle_service_drops_sessions_past_their_ttl(tiny_models):
+    """Idle sessions expire on a service that gets no further call, not only on
+    the next call's way in."""
+    import asyncio
+
+    from tandem.model_service import CacheConfig
+    from tandem.modeling import ModelConfig
+    from tandem.v1 import target_pb2
+    from target_service.server import build_server
+
+    async def scenario():
+        server, port, _, servicer = build_server("127.0.0.1:0", ModelConfig(tiny_models["target"], dtype="float32"),
+                                                 CacheConfig(budget_mb=0, session_ttl_s=0.3))
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                target = target_pb2_grpc.TargetServiceStub(channel)
+                await target.Verify(target_pb2.VerifyRequest(session_id="idle", prefix=common_pb2.PrefixRef(length=0),
+                                                             new_tokens=TURN1))
+                assert (await target.GetStats(common_pb2.GetStatsRequest())).sessions == 1
+                for _ in range(50):  # the TTL, then a sweep (expiry scans at most once a second)
+                    await asyncio.sleep(0.1)
+                    stats = await target.GetStats(common_pb2.GetStatsRequest())
+                    if stats.sessions == 0:
+                        break
+                assert stats.sessions == 0 and stats.cache_bytes == 0 and stats.evictions == 1
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())

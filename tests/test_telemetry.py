@@ -216,3 +216,32 @@ def test_serve_flags_export_spans_and_serve_metrics(tiny_models):
     # the console exporter flushed at shutdown: the call's spans, in the caller's trace
     assert '"name": "tandem.v1.TargetService/Verify"' in stderr and '"name": "tandem.target.compute"' in stderr
     assert f'"trace_id": "0x{TRACE_ID:032x}"' in stderr and f'"parent_id": "0x{PARENT_ID:016x}"' in stderr
+
+
+def test_queue_depth_counts_a_cancelled_call_until_the_worker_is_free():
+    import asyncio
+    import threading
+    import time
+
+    from tandem.serving import ModelWorker
+
+    async def scenario():
+        worker = ModelWorker("depth")
+        release = threading.Event()
+        running = asyncio.create_task(worker.run(release.wait, 5))
+        queued = asyncio.create_task(worker.run(time.sleep, 0))
+        await asyncio.sleep(0.05)
+        assert worker.queue_depth == 2
+        running.cancel()  # started: the worker stays busy until its function returns
+        queued.cancel()  # not started: it never runs
+        await asyncio.sleep(0.05)
+        assert worker.queue_depth == 1
+        release.set()
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if worker.queue_depth == 0:
+                break
+        assert worker.queue_depth == 0
+        worker.shutdown()
+
+    asyncio.run(scenario())
