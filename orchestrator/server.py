@@ -70,6 +70,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.draft_info = self.target_info = None
         self.pair_error: str | None = None
         self._pairing: asyncio.Task | None = None  # pairs a draft service that was down at start
+        self._connecting = asyncio.Lock()  # the first requests connect once, not once each
         self.active_requests = 0  # Generate and Chat streams in progress
 
     async def connect(self, wait_s: float = 0.0) -> None:
@@ -104,6 +105,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.pair_error = None
         if draft is None:
             self.generation.breaker.pause()
+            if self._pairing is not None:
+                self._pairing.cancel()
             self._pairing = asyncio.create_task(self._pair_draft_later())
         else:
             self.draft_info = draft
@@ -170,7 +173,9 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.pair_error)
         if self.generation is None:
             try:
-                await self.connect()
+                async with self._connecting:
+                    if self.generation is None:
+                        await self.connect()
             except PairingError as err:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
             except ServiceUnavailable as err:

@@ -174,3 +174,27 @@ def test_requests_past_the_concurrency_limit_are_refused_and_nothing_else_is_dis
         assert cluster.orchestrator.active_requests == 0
     finally:
         cluster.stop()
+
+
+def test_requests_that_find_the_orchestrator_unpaired_connect_once():
+    import asyncio
+
+    from orchestrator.server import OrchestratorConfig, OrchestratorServicer
+
+    async def scenario():
+        servicer = OrchestratorServicer(OrchestratorConfig(draft_address="127.0.0.1:1", target_address="127.0.0.1:1"))
+        calls = []
+
+        async def connect(wait_s=0.0):
+            calls.append(wait_s)
+            await asyncio.sleep(0.05)
+            servicer.generation = object()
+
+        servicer.connect = connect
+        try:
+            results = await asyncio.gather(*(servicer._ready(None) for _ in range(5)))
+        finally:
+            await servicer.close()
+        assert len(calls) == 1 and all(r is servicer.generation for r in results)
+
+    asyncio.run(scenario())
