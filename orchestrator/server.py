@@ -162,6 +162,12 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         from tandem.default_models import resolve_model
 
         tokenizer = load_tokenizer(resolve_model(source))
+        if tokenizer is None and target.tokenizer_fingerprint != tokenizer_fingerprint(None, target.vocab_size):
+            # The target has a tokenizer, and this machine could not load it (the
+            # target's --model names a directory on another node, say).
+            raise PairingError(f"the target model has a tokenizer, and none could be loaded from {source!r} here: "
+                               "give --tokenizer (a directory or hub id with the target's tokenizer), "
+                               "or --tokenizer none to serve token ids only")
         if tokenizer is not None and tokenizer_fingerprint(tokenizer, target.vocab_size) != target.tokenizer_fingerprint:
             raise PairingError(f"tokenizer {source!r} does not match the target model's")
         self.tokenizer = tokenizer

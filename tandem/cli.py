@@ -33,6 +33,23 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
+def _int_in(low: int, high: int):
+    """An argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+    return parse
+
+
+INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def _add_model_flags(p, default_model: str, default_port: int) -> None:
     p.add_argument("--model", default=default_model,
                    help="local directory, hub id, or default-target / default-draft (default: %(default)s)")
@@ -74,15 +91,20 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--address", default=os.environ.get("TANDEM_ADDRESS", DEFAULT_ORCHESTRATOR),
                    help="orchestrator address (default: $TANDEM_ADDRESS or %(default)s)")
     p.add_argument("--tenant", default=None, help="tenant id sent as x-tandem-tenant")
-    p.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (server default 128)")
+    p.add_argument("--max-tokens", type=_int_in(1, INT32_MAX), default=None,
+                   help="most tokens to generate (server default 128)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
-    p.add_argument("--top-k", type=int, default=None, help="keep the top-k tokens; 0 = off")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=None, help="keep the top-k tokens; 0 = off")
+    p.add_argument("--seed", type=_int_in(0, UINT64_MAX), default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--k", type=int, default=None, help="draft tokens per round (default: the server's policy)")
+    p.add_argument("--k", type=_int_in(0, INT32_MAX), default=None,
+                   help="draft tokens per round (default: the server's policy)")
     p.add_argument("--pipeline", choices=["on", "off"], default=None, help="override the server's pipelining")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="deadline of each request, seconds (default: none; a server that stops answering "
+                        "is still detected, by keepalive pings, within about a minute)")
 
 
 def _sampling_kwargs(args) -> dict:
@@ -95,7 +117,9 @@ def _sampling_kwargs(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Distributed, pipelined, lossless speculative decoding.")
-    parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"), help="logging level")
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        default=os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper(),
+                        help="logging level (default: $TANDEM_LOG_LEVEL or INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start a service").add_subparsers(dest="role", required=True)
@@ -173,17 +197,20 @@ def _serve(args) -> None:
     from tandem.modeling import ModelConfig
 
     address = f"{args.host}:{args.port}"
-    observability = telemetry.setup(telemetry.TelemetryConfig(
-        service_name=os.environ.get("OTEL_SERVICE_NAME") or telemetry.SERVICE_NAMES[args.role],
-        traces=args.otel_traces, metrics_port=args.metrics_port, metrics_host=args.host,
-    ))
+    try:
+        observability = telemetry.setup(telemetry.TelemetryConfig(
+            service_name=os.environ.get("OTEL_SERVICE_NAME") or telemetry.SERVICE_NAMES[args.role],
+            traces=args.otel_traces, metrics_port=args.metrics_port, metrics_host=args.host,
+        ))
+    except OSError as err:
+        raise StartupError(f"metrics on {args.host}:{args.metrics_port}: {err}") from err
 
     async def run():
         try:
             server, port, health, servicer, name, draining = await build()
-        except (ValueError, OSError) as err:  # bad flags, a model that cannot be loaded, a port in use
+        except Exception as err:  # bad flags, a model that cannot be loaded, a busy port, a peer or Redis down
             logging.getLogger("tandem").debug("start-up failed", exc_info=True)
-            raise StartupError(str(err)) from err
+            raise StartupError(_words(err)) from err
         await server.start()
         serving.freeze_startup_objects()
         await serving.set_serving(health, [name], True)
@@ -236,6 +263,15 @@ class StartupError(Exception):
     """A service could not start: bad flags, a model that cannot be loaded, a busy port."""
 
 
+def _words(err: Exception) -> str:
+    """An exception as one line for a person: its message, and its type where
+    the message alone would not say what failed."""
+    text = str(err).strip() or type(err).__name__
+    if isinstance(err, (ValueError, OSError, StartupError)) and type(err).__module__ == "builtins":
+        return text
+    return f"{text} ({type(err).__name__}; --log-level DEBUG shows where)"
+
+
 def _print_result(result, args) -> None:
     if args.json:
         print(json.dumps(result.as_dict()))
@@ -255,7 +291,7 @@ def _generate(args) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         print("tandem generate: give a prompt or --prompt-ids (one of them)", file=sys.stderr)
         return 2
-    with TandemClient(args.address, tenant=args.tenant) as client:
+    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout) as client:
         stream = client.generate_stream(args.prompt, args.prompt_ids, **_sampling_kwargs(args))
         show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
         result = collect(stream, on_delta=show)
@@ -266,7 +302,7 @@ def _generate(args) -> int:
 def _chat(args) -> int:
     from tandem.client import TandemClient, collect
 
-    with TandemClient(args.address, tenant=args.tenant) as client:
+    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout) as client:
         session = client.create_session(system_prompt=args.system)
         print(f"session {session}; an empty line or Ctrl-D ends the chat", file=sys.stderr)
         try:
@@ -289,7 +325,7 @@ def _chat(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import grpc
 
     try:
@@ -310,6 +346,9 @@ def main(argv=None) -> int:
     except StartupError as err:
         print(f"tandem serve {args.role}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
     return 0
 
 

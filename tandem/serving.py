@@ -27,6 +27,25 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients ping a quiet connection every 20 s and give up on one whose peer does
+# not answer in 10 s (a hung or stopped process, a dead node): a stream that
+# waits on it fails with UNAVAILABLE instead of waiting forever (a `tandem
+# generate` whose orchestrator was stopped with SIGSTOP ended after 60 s).
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+# Servers accept those pings, also during a long quiet call (a prefill), and a
+# port another process serves on is refused (gRPC sets SO_REUSEPORT otherwise,
+# and two servers on one port would split the calls between them).
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 CACHE_MISS_KEY = "tandem-cache-miss"
 
 
@@ -37,14 +56,17 @@ def create_server(
 
     `register` are functions that add a servicer and return its full service name.
     Returns the server, the bound port and its health servicer."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     names = [add(server) for add in register]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's words: "Failed to bind to address"
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {address}")
+        raise OSError(f"could not bind {address}: is another process serving on it?")
     return server, port, health_servicer
 
 
@@ -85,7 +107,7 @@ async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: l
 # The orchestrator's channels to its model services: a service that comes back
 # is reconnected within 5 s (gRPC's default backoff grows to 120 s, and calls
 # fail at once while it waits).
-SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 5000)]
+SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, ("grpc.max_reconnect_backoff_ms", 5000)]
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:

@@ -64,6 +64,35 @@ def test_mismatched_model_pair_is_refused(tiny_models):
         cluster.stop()
 
 
+def test_a_target_tokenizer_the_orchestrator_cannot_load_is_refused(tiny_models, tmp_path):
+    """The target's --model names a directory the orchestrator's machine may not
+    have: serving token ids only, silently, would refuse every text request."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target = tmp_path / "with-tokenizer"
+    shutil.copytree(tiny_models["target"], target)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY_VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(target)
+    for tokenizer, refused in ((tiny_models["other"], True), ("", False)):  # a directory without one; the target's
+        cluster = Cluster(str(target), str(target), tokenizer=tokenizer)
+        try:
+            with cluster.client() as client:
+                if refused:
+                    with pytest.raises(grpc.RpcError) as info:
+                        client.generate(prompt="w5 w6 w7", max_tokens=2)
+                    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert "--tokenizer" in info.value.details()
+                else:
+                    assert client.server_info().has_tokenizer
+                    assert client.generate(prompt_ids=[5, 6, 7], max_tokens=2).completion_tokens == 2
+        finally:
+            cluster.stop()
+
+
 def _dense(values, vocab_size=TINY_VOCAB):
     return common_pb2.Distribution(dense_f32=np.asarray(values, dtype="<f4").tobytes(), vocab_size=vocab_size)
 
@@ -132,6 +161,7 @@ def test_model_services_check_their_input(random_cluster):
     (["orchestrator", "--max-concurrent-requests", "-1"], "max_concurrent_requests must be >= 0"),
     (["draft", "--model", "/no/such/model"], "no such directory"),
     (["target", "--model", "./missing", "--dtype", "float32"], "no such directory"),
+    (["orchestrator", "--redis-url", "redis://127.0.0.1:1/0"], "connecting to 127.0.0.1:1"),
 ])
 def test_serve_with_bad_flags_exits_2_with_words(argv, words):
     """A service that cannot start says why in one line and exits 2, without a traceback."""
@@ -143,6 +173,32 @@ def test_serve_with_bad_flags_exits_2_with_words(argv, words):
     assert proc.returncode == 2
     assert f"tandem serve {argv[0]}:" in proc.stderr and words in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_on_a_busy_port_exits_2_with_words(tiny_models):
+    """gRPC servers set SO_REUSEPORT unless told not to: a second target on the
+    port of a first one started, and the two split the calls between them."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from tandem import serving
+
+    async def scenario():
+        server, port, _ = serving.create_server("127.0.0.1:0", [])
+        await server.start()
+        try:
+            for flags in (["--port", str(port)], ["--port", "0", "--metrics-port", str(port)]):
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "tandem.cli", "serve", "target", "--model", tiny_models["target"],
+                    "--dtype", "float32", *flags, stderr=subprocess.PIPE)
+                _, stderr = await asyncio.wait_for(proc.communicate(), 120)
+                assert proc.returncode == 2, stderr
+                assert f"127.0.0.1:{port}" in stderr.decode() and "Traceback" not in stderr.decode()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
 
 
 def test_requests_past_the_concurrency_limit_are_refused_and_nothing_else_is_disturbed(tiny_models):
@@ -198,3 +254,17 @@ def test_requests_that_find_the_orchestrator_unpaired_connect_once():
         assert len(calls) == 1 and all(r is servicer.generation for r in results)
 
     asyncio.run(scenario())
+
+
+def test_a_wrong_gguf_file_is_refused_with_words(tmp_path):
+    import subprocess
+    import sys
+
+    wrong = tmp_path / "wrong.gguf"
+    wrong.write_bytes(b"not the pinned model" * 100)
+    env = {**__import__("os").environ, "TANDEM_MODEL_CACHE": str(tmp_path / "cache")}
+    for path, code, words in ((wrong, 1, f"sha256 mismatch for {wrong}"), (tmp_path / "missing.gguf", 2, "no such file")):
+        proc = subprocess.run([sys.executable, "-m", "tandem.default_models", "--which", "draft", "--gguf", str(path),
+                               "--quiet"], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == code and words in proc.stderr and "Traceback" not in proc.stderr
+    assert not any((tmp_path / "cache").glob("qwen*"))  # nothing half-built is left as a model

@@ -1,0 +1,39 @@
+"""The Kubernetes manifests start the services the CLI knows: every
+container's args parse, and each serves on the port its probes and Service use."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem.cli import build_parser
+
+K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+
+
+def _containers():
+    """(where, container) for the base's Deployments, and the cpu overlay's args patches."""
+    for path in sorted((K8S / "base").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "Deployment":
+                for container in doc["spec"]["template"]["spec"]["containers"]:
+                    if container["image"] != "redis:7":  # the one that is not Tandem
+                        yield f"{path.name}:{container['name']}", container, doc
+    overlay = yaml.safe_load((K8S / "overlays" / "cpu" / "kustomization.yaml").read_text())
+    for patch in overlay["patches"]:
+        for op in yaml.safe_load(patch["patch"]):
+            if op["path"].endswith("/args"):
+                yield f"overlays/cpu:{patch['target']['name']}", {"args": op["value"]}, None
+
+
+CONTAINERS = list(_containers())
+
+
+@pytest.mark.parametrize("where, container, deployment", CONTAINERS, ids=[c[0] for c in CONTAINERS])
+def test_manifest_args_parse_and_ports_match(where, container, deployment):
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "serve" and args.host == "0.0.0.0"
+    if deployment is not None:
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == args.port and ports["metrics"] == args.metrics_port
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == args.port
