@@ -156,10 +156,15 @@ class CallStream:
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
+        # The write runs in a task of its own: grpc.aio cancels the whole rpc when
+        # a task is cancelled in the middle of stream.write, and that would fail
+        # every other session's calls on the stream. A caller cancelled (or timed
+        # out) meanwhile stops waiting; the write finishes, then the cancel follows.
+        write = self._spawn(self._write(stream, self._call_type(
+            call_id=call_id, request=request, trace_context=dict(metadata or ()))))
         try:
             async with asyncio.timeout(timeout_s):
-                await self._write(stream, self._call_type(
-                    call_id=call_id, request=request, trace_context=dict(metadata or ())))
+                await asyncio.shield(write)
                 return await future
         except TimeoutError:
             self._cancel_remote(stream, call_id)
@@ -201,12 +206,17 @@ class CallStream:
         service, so it fails UNAVAILABLE, as a call on a closed stream does."""
         return _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed: {why}")
 
+    def _spawn(self, coro) -> asyncio.Task:
+        """A background task whose failure is retrieved (a caller awaiting it sees it too)."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(lambda t: (self._background.discard(t), t.cancelled() or t.exception()))
+        return task
+
     def _cancel_remote(self, stream, call_id: int) -> None:
         if stream is not self._stream:
             return
-        task = asyncio.create_task(self._write(stream, self._call_type(call_id=call_id, cancel=True)))
-        self._background.add(task)
-        task.add_done_callback(lambda t: (self._background.discard(t), t.cancelled() or t.exception()))
+        self._spawn(self._write(stream, self._call_type(call_id=call_id, cancel=True)))
 
     async def _read(self, stream) -> None:
         try:
@@ -242,9 +252,8 @@ class CallStream:
         return error
 
     async def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.cancel()
+        if self._stream is not None:  # its calls in flight fail now, not at their deadlines
+            self._broken(self._stream, self._closed("the caller closed it"))
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

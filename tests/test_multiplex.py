@@ -2,6 +2,7 @@
 and the same errors as the unary rpcs, concurrent calls kept apart, clean
 cancellation, and a new stream after the service comes back."""
 import asyncio
+import contextlib
 import threading
 
 import grpc
@@ -168,32 +169,81 @@ def test_serve_calls_cancels_answers_and_drains():
     assert serving.is_cache_miss(multiplex._call_error(got[3].error))
 
 
+@contextlib.asynccontextmanager
+async def _propose_calls(handler):
+    """A CallStream to a ProposeStream served by `handler` over a real socket."""
+    from tandem.v1 import draft_pb2_grpc
+
+    class Servicer(draft_pb2_grpc.DraftServiceServicer):
+        async def ProposeStream(self, calls, context):
+            async for result in multiplex.serve_calls(calls, handler, draft_pb2.ProposeResult, common_pb2.CallError):
+                yield result
+
+    server = grpc.aio.server()
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = serving.insecure_channel(f"127.0.0.1:{port}")
+    calls = multiplex.CallStream(draft_pb2_grpc.DraftServiceStub(channel).ProposeStream, draft_pb2.ProposeCall,
+                                 "Propose")
+    try:
+        yield calls
+    finally:
+        await calls.close()
+        await channel.close()
+        await server.stop(0)
+
+
+async def _reply_after(request, context):
+    """Answers at once, or after a second for session "slow"."""
+    if request.session_id == "slow":
+        await asyncio.sleep(1.0)
+    return draft_pb2.ProposeReply(tokens=[len(request.new_tokens)])
+
+
+def test_a_call_cancelled_while_it_is_written_leaves_the_stream_and_other_calls_alone():
+    """grpc.aio cancels a whole rpc when the task writing to it is cancelled mid-write;
+    the stream is shared by every session, so one caller that gives up (a dropped
+    pre-draft, a client gone) must not fail the others' calls."""
+    async def run():
+        async with _propose_calls(_reply_after) as calls:
+            await calls.call(draft_pb2.ProposeRequest(session_id="warm"), 10)  # the stream is open
+            other = asyncio.create_task(calls.call(draft_pb2.ProposeRequest(session_id="slow", new_tokens=[1]), 10))
+            await asyncio.sleep(0.1)
+            dropped = asyncio.create_task(calls.call(draft_pb2.ProposeRequest(session_id="x"), 10))
+            await asyncio.sleep(0)  # its write has begun
+            dropped.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await dropped
+            return list((await other).tokens)
+
+    assert asyncio.run(run()) == [1]
+
+
+def test_closing_a_call_stream_fails_its_calls_in_flight_at_once():
+    async def run():
+        async with _propose_calls(_reply_after) as calls:
+            pending = asyncio.create_task(calls.call(draft_pb2.ProposeRequest(session_id="slow"), 60))
+            await asyncio.sleep(0.2)
+            await calls.close()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async with asyncio.timeout(5):  # not at its 60 s deadline
+                    await pending
+            return err.value.code()
+
+    assert asyncio.run(run()) == grpc.StatusCode.UNAVAILABLE
+
+
 def test_a_cancelled_stream_call_is_cancelled_at_the_service():
     """Cancelling the caller's task cancels the call at the service, over a real
     socket: the orchestrator drops a pre-draft this way when the verify beside
     it rejects a token, and the fresh draft must not queue behind it. The
     stream then serves the next call."""
-    from tandem.v1 import draft_pb2_grpc
-
     trace = (("traceparent", "00-abc"),)
 
     async def run():
         handler = _Handler()
-
-        class Servicer(draft_pb2_grpc.DraftServiceServicer):
-            async def ProposeStream(self, calls, context):
-                async for result in multiplex.serve_calls(calls, handler, draft_pb2.ProposeResult,
-                                                          common_pb2.CallError):
-                    yield result
-
-        server = grpc.aio.server()
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(Servicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = serving.insecure_channel(f"127.0.0.1:{port}")
-        calls = multiplex.CallStream(draft_pb2_grpc.DraftServiceStub(channel).ProposeStream, draft_pb2.ProposeCall,
-                                     "Propose")
-        try:
+        async with _propose_calls(handler) as calls:
             waiting = asyncio.create_task(calls.call(draft_pb2.ProposeRequest(session_id="wait"), 60, trace))
             await asyncio.wait_for(handler.started.wait(), 10)
             waiting.cancel()
@@ -204,10 +254,6 @@ def test_a_cancelled_stream_call_is_cancelled_at_the_service():
                     await asyncio.sleep(0.01)
             reply = await calls.call(draft_pb2.ProposeRequest(session_id="ok", new_tokens=[1, 2]), 10, trace)
             return handler.cancelled, list(reply.tokens)
-        finally:
-            await calls.close()
-            await channel.close()
-            await server.stop(0)
 
     cancelled, tokens = asyncio.run(run())
     assert cancelled == ["wait"]
