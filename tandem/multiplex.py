@@ -95,7 +95,12 @@ async def serve_calls(calls: AsyncIterator, handler: Callable, result_type, erro
 
     async def read() -> None:
         async for call in calls:
-            if call.cancel:
+            if draining is not None and draining.is_set() and not call.cancel:
+                # Stopping: the calls in flight are answered, new ones are not
+                # run, so the stream can end before the grace period does.
+                results.put_nowait(result_type(call_id=call.call_id, error=error_type(
+                    code=grpc.StatusCode.UNAVAILABLE.value[0], message="the service is stopping", not_run=True)))
+            elif call.cancel:
                 task = running.get(call.call_id)
                 if task is not None:
                     task.cancel()
@@ -145,17 +150,28 @@ class CallStream:
         self._call_type = call_type
         self.method = method
         self._stream: grpc.aio.StreamStreamCall | None = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, tuple[grpc.aio.StreamStreamCall, asyncio.Future]] = {}  # by call id
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
 
     async def call(self, request, timeout_s: float, metadata=None):
-        """The reply to `request`; raises grpc.aio.AioRpcError as the unary rpc would."""
+        """The reply to `request`; raises grpc.aio.AioRpcError as the unary rpc would.
+        A call that a stopping service did not run is sent once more, on a new stream."""
+        try:
+            return await self._call(request, timeout_s, metadata)
+        except _NotRun as not_run:
+            log.info("%s: the service is stopping; sending the call again on a new stream", self.method)
+            try:
+                return await self._call(request, timeout_s, metadata)
+            except _NotRun as again:
+                raise again.error from not_run.error
+
+    async def _call(self, request, timeout_s: float, metadata=None):
         stream = self._stream if self._stream is not None else self._start()
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = future
+        self._pending[call_id] = (stream, future)
         # The write runs in a task of its own: grpc.aio cancels the whole rpc when
         # a task is cancelled in the middle of stream.write, and that would fail
         # every other session's calls on the stream. A caller cancelled (or timed
@@ -214,17 +230,23 @@ class CallStream:
         return task
 
     def _cancel_remote(self, stream, call_id: int) -> None:
-        if stream is not self._stream:
+        # The current stream, or one a stopping service still answers on.
+        if stream is not self._stream and getattr(stream, "done", lambda: True)():
             return
         self._spawn(self._write(stream, self._call_type(call_id=call_id, cancel=True)))
 
     async def _read(self, stream) -> None:
         try:
             async for result in stream:
-                future = self._pending.get(result.call_id)
-                if future is None or future.done():
+                stream_and_future = self._pending.get(result.call_id)
+                if stream_and_future is None or stream_and_future[1].done():
                     continue  # cancelled or timed out here
-                if result.HasField("error"):
+                future = stream_and_future[1]
+                if result.HasField("error") and result.error.not_run:
+                    if self._stream is stream:  # the next calls go on a new stream; this one ends
+                        self._stream = None  # once the service has answered its calls in flight
+                    future.set_exception(_NotRun(_call_error(result.error)))
+                elif result.HasField("error"):
                     future.set_exception(_call_error(result.error))
                 else:
                     future.set_result(result.reply)
@@ -240,23 +262,35 @@ class CallStream:
         a new one. Returns the error they fail with."""
         if error.code() == grpc.StatusCode.CANCELLED:  # e.g. the service stopped after its grace period
             error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream: {error.details()}")
-        if stream is not self._stream:
-            return error
-        self._stream = None
-        log.info("%s stream broke (%s: %s); %d calls in flight fail", self.method, error.code().name,
-                 error.details(), len(self._pending))
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
+        current = self._stream is stream
+        if current:
+            self._stream = None
+        failing = [future for on, future in self._pending.values() if on is stream and not future.done()]
+        if current or failing:
+            log.info("%s stream broke (%s: %s); %d calls in flight fail", self.method, error.code().name,
+                     error.details(), len(failing))
+        for future in failing:
+            future.set_exception(error)
         stream.cancel()
         return error
 
     async def close(self) -> None:
-        if self._stream is not None:  # its calls in flight fail now, not at their deadlines
-            self._broken(self._stream, self._closed("the caller closed it"))
+        streams = {id(on): on for on, _ in self._pending.values()}  # calls in flight fail now, not at their deadlines
+        if self._stream is not None:
+            streams[id(self._stream)] = self._stream
+        for stream in streams.values():
+            self._broken(stream, self._closed("the caller closed it"))
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+class _NotRun(Exception):
+    """A stopping service did not run the call (CallError.not_run)."""
+
+    def __init__(self, error: grpc.aio.AioRpcError):
+        super().__init__(error.details())
+        self.error = error
 
 
 def _rpc_error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:

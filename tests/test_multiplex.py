@@ -169,21 +169,29 @@ def test_serve_calls_cancels_answers_and_drains():
     assert serving.is_cache_miss(multiplex._call_error(got[3].error))
 
 
-@contextlib.asynccontextmanager
-async def _propose_calls(handler):
-    """A CallStream to a ProposeStream served by `handler` over a real socket."""
+async def _propose_server(handler, draining: asyncio.Event | None = None):
+    """(server, channel): a started ProposeStream server of `handler` on a real socket."""
     from tandem.v1 import draft_pb2_grpc
 
     class Servicer(draft_pb2_grpc.DraftServiceServicer):
         async def ProposeStream(self, calls, context):
-            async for result in multiplex.serve_calls(calls, handler, draft_pb2.ProposeResult, common_pb2.CallError):
+            async for result in multiplex.serve_calls(calls, handler, draft_pb2.ProposeResult, common_pb2.CallError,
+                                                      draining):
                 yield result
 
     server = grpc.aio.server()
     draft_pb2_grpc.add_DraftServiceServicer_to_server(Servicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = serving.insecure_channel(f"127.0.0.1:{port}")
+    return server, serving.insecure_channel(f"127.0.0.1:{port}")
+
+
+@contextlib.asynccontextmanager
+async def _propose_calls(handler):
+    """A CallStream to a ProposeStream served by `handler` over a real socket."""
+    from tandem.v1 import draft_pb2_grpc
+
+    server, channel = await _propose_server(handler)
     calls = multiplex.CallStream(draft_pb2_grpc.DraftServiceStub(channel).ProposeStream, draft_pb2.ProposeCall,
                                  "Propose")
     try:
@@ -192,6 +200,48 @@ async def _propose_calls(handler):
         await calls.close()
         await channel.close()
         await server.stop(0)
+
+
+def test_a_stopping_service_answers_its_calls_in_flight_and_sends_new_ones_elsewhere():
+    """Draining under load: the calls in flight are answered, new calls are not run
+    there but sent once more on a new stream, which goes to another replica (as a
+    Kubernetes Service would route it), and the stream ends without waiting out
+    the grace period."""
+    from tandem.v1 import draft_pb2_grpc
+
+    async def slow(request, context):
+        await asyncio.sleep(0.2)
+        return draft_pb2.ProposeReply(tokens=[1])
+
+    async def other_replica(request, context):
+        return draft_pb2.ProposeReply(tokens=[2])
+
+    async def run():
+        draining = asyncio.Event()
+        (stopping, first), (replica, second) = await _propose_server(slow, draining), \
+            await _propose_server(other_replica)
+        channels = iter([first, second])
+        calls = multiplex.CallStream(lambda: draft_pb2_grpc.DraftServiceStub(next(channels)).ProposeStream(),
+                                     draft_pb2.ProposeCall, "Propose")
+        try:
+            in_flight = asyncio.create_task(calls.call(draft_pb2.ProposeRequest(session_id="a"), 10))
+            await asyncio.sleep(0.05)
+            draining.set()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            stopped = asyncio.create_task(stopping.stop(5.0))
+            after = await calls.call(draft_pb2.ProposeRequest(session_id="b"), 10)
+            await stopped
+            return list((await in_flight).tokens), list(after.tokens), loop.time() - started
+        finally:
+            await calls.close()
+            for channel in (first, second):
+                await channel.close()
+            await replica.stop(0)
+
+    answered, resent, stop_s = asyncio.run(run())
+    assert answered == [1] and resent == [2]
+    assert stop_s < 2.0  # the in-flight call's 0.2 s, not the 5 s grace
 
 
 async def _reply_after(request, context):
