@@ -5,6 +5,7 @@ tokens[:-1] (the last proposed token is not part of it yet), so the
 orchestrator tracks every backend the same way."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -60,6 +61,29 @@ def draw(logits: torch.Tensor, call: ProposeCall, position: int, first: bool):
     return token, float(dist[token]), dist
 
 
+def guess_then_fresh(cache: SessionCache, call: ProposeCall, propose_from) -> Proposal:
+    """A pre-draft (bonus guess, then k) drafted as the fresh call after the guess
+    would draft it: the guess alone, then, on the history with the guess, the k
+    tokens that propose_from(cache, call) would propose for a call that sent the
+    guess. A drafter whose choice depends on the history (prompt lookup) would
+    otherwise pre-draft other tokens, or the same ones with other probabilities,
+    than it drafts after a verify, and a seeded sampled run would differ with
+    the pipeline on and off."""
+    start = time.perf_counter()
+    guess = propose_from(cache, dataclasses.replace(call, num_tokens=1))
+    if len(guess.tokens) != 1:
+        return guess
+    cache.append(guess.tokens)
+    rest = propose_from(cache, dataclasses.replace(call, new_tokens=guess.tokens, num_tokens=call.num_tokens - 1,
+                                                   first_is_bonus_guess=False))
+    if not rest.tokens:  # the history is the caller's prefix + new tokens, without the guess (the contract)
+        cache.crop(len(cache) - 1)
+    steps = [ms for ms in (guess.step_ms, rest.step_ms) if ms]
+    return Proposal(guess.tokens + rest.tokens, guess.token_probs + rest.token_probs, guess.dists + rest.dists,
+                    guess.prefilled, guess.cropped, guess.compute_ms + (time.perf_counter() - start) * 1e3,
+                    sum(steps) / len(steps) if steps else 0.0)
+
+
 class NgramDrafter:
     """Prompt lookup over the session's own history; no model."""
 
@@ -83,13 +107,20 @@ class NgramDrafter:
         return Proposal(tokens, [] if greedy else [1.0] * len(tokens), one_hot, len(call.new_tokens), cropped,
                         (time.perf_counter() - start) * 1e3, 0.0)
 
-    def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
+    def _from(self, cache: SessionCache, call: ProposeCall, cropped: int) -> Proposal:
         start = time.perf_counter()
+        found = self._lookup_proposal(cache, call, cropped, start)
+        return found or Proposal([], [], [], len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3, 0.0)
+
+    def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
         cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
         cache.append(call.new_tokens)
-        found = self._lookup_proposal(cache, call, cropped, start)
+        if call.first_is_bonus_guess and call.num_tokens > 1:
+            proposal = guess_then_fresh(cache, call, lambda c, sub: self._from(c, sub, cropped))
+        else:
+            proposal = self._from(cache, call, cropped)
         self.store.enforce_budget(keep=call.session_id)
-        return found or Proposal([], [], [], len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3, 0.0)
+        return proposal
 
 
 class StepAborted(Exception):
@@ -209,12 +240,17 @@ class NgramModelDrafter(ModelDrafter):
         super().__init__(runner, store, head, min_confidence)
         self.ngram = NgramDrafter(store, self.vocab_size, ngram_max)
 
-    def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
+    def _from(self, cache: SessionCache, call: ProposeCall, cancelled: threading.Event, cropped: int) -> Proposal:
         start = time.perf_counter()
-        cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
-        cache.append(call.new_tokens)
         found = self.ngram._lookup_proposal(cache, call, cropped, start)
         if found is None:
             return self._draft(cache, call, cancelled, cropped, start)
         self.store.enforce_budget(keep=call.session_id)
         return found
+
+    def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
+        cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
+        cache.append(call.new_tokens)
+        if call.first_is_bonus_guess and call.num_tokens > 1:
+            return guess_then_fresh(cache, call, lambda c, sub: self._from(c, sub, cancelled, cropped))
+        return self._from(cache, call, cancelled, cropped)

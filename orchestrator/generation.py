@@ -30,6 +30,7 @@ class RequestParams:
     stop: tuple[str, ...] = ()
     k: int = 0  # 0 = the server's policy
     pipeline: bool | None = None  # None = the server's setting
+    seeded: bool = False  # the client chose the seed: the run must be reproducible
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -75,9 +76,14 @@ class Generation:
         self.draft_max_context: int | None = None
 
     def policy_for(self, params: RequestParams, pipeline: bool) -> KPolicy:
+        """The request's draft lengths: its num_draft_tokens, else the server's
+        policy. A seeded sampled request drafts the server's fixed k: where the
+        blocks end decides which random draws make each token (an accept test
+        inside a block, a plain draw at its end), so an adaptive k, which follows
+        timings, would change the tokens of a seed from run to run."""
         cfg = self.config.policy
-        if params.k:
-            k = min(params.k, cfg.k_max)
+        if params.k or (params.seeded and not params.sampling.greedy):
+            k = min(params.k or cfg.k, cfg.k_max)
             cfg = KPolicyConfig(k=k, k_min=min(cfg.k_min, k), k_max=cfg.k_max, adaptive=False, ema=cfg.ema)
         return KPolicy(cfg, pipelined=pipeline, costs=self.costs[pipeline])
 

@@ -211,6 +211,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             stop=tuple(msg.stop),
             k=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else 0,
             pipeline=msg.pipeline if msg.HasField("pipeline") else None,
+            seeded=msg.HasField("seed"),
         )
 
     def _check_ids(self, ids: list[int]) -> list[int]:

@@ -27,9 +27,9 @@ def _services(model_dir: str):
             InProcessVerifier(Verifier(target_runner, target_store)))
 
 
-async def _decode(proposer, verifier, prompt, tokens, pipeline, k=3, breaker=None):
+async def _decode(proposer, verifier, prompt, tokens, pipeline, k=3, breaker=None, sampling=SamplingParams()):
     decoder = Decoder(proposer, verifier, f"s-{pipeline}-{k}", Committed(prompt), ServiceView(0), ServiceView(0),
-                      SamplingParams(), KPolicy(KPolicyConfig(k=k, adaptive=False), pipeline), pipeline,
+                      sampling, KPolicy(KPolicyConfig(k=k, adaptive=False), pipeline), pipeline,
                       breaker=breaker)
     out = []
     rounds = decoder.rounds()
@@ -185,3 +185,26 @@ def test_a_cancelled_draft_stops_between_layers_and_its_cache_goes_on_exactly(ti
     # The orchestrator's next call: the first drafted token committed, the second sent anew.
     after = drafter.propose(_propose_call("s", prompt + reference[:1], reference[1:2], 4), never)
     assert after.tokens == reference[2:6]
+
+
+@pytest.mark.parametrize("backend", ["ngram", "ngram+model"])
+async def test_history_drafters_pre_draft_what_they_would_draft_fresh(tiny_models, backend):
+    """Prompt lookup decides from the history. A pre-draft after the bonus guess
+    must propose what a call after the verify would (same tokens, same draft
+    probabilities), or a seeded sampled run differs with the pipeline on and off."""
+    from draft_service.drafters import NgramDrafter, NgramModelDrafter
+
+    target = ModelRunner(load(ModelConfig(tiny_models["target"], dtype="float32")), "cpu")
+    draft = ModelRunner(load(ModelConfig(tiny_models["target"], dtype="float32")), "cpu")
+    prompt = [72, 122, 55] * 4
+    for seed in range(6):
+        sampling = SamplingParams(temperature=0.7, seed=seed)
+        outputs = []
+        for pipeline in (False, True):
+            store = SessionCacheStore(draft.new_cache)
+            drafter = NgramDrafter(store, 128, ngram_max=2) if backend == "ngram" else \
+                NgramModelDrafter(draft, store, ngram_max=2)
+            verifier = InProcessVerifier(Verifier(target, SessionCacheStore(target.new_cache)))
+            out, _ = await _decode(InProcessProposer(drafter), verifier, prompt, 32, pipeline, k=1, sampling=sampling)
+            outputs.append(out)
+        assert outputs[0] == outputs[1], seed

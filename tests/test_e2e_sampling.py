@@ -25,3 +25,24 @@ def test_sampling_with_draft_equal_target_accepts_everything(same_cluster):
     with same_cluster.client() as client:
         result = client.generate(prompt_ids=PROMPT, max_tokens=24, temperature=0.8, seed=5, num_draft_tokens=4)
     assert result.stats.accepted_tokens == result.stats.drafted_tokens > 0
+
+
+def test_a_seed_fixes_the_tokens_under_an_adaptive_server(tiny_models):
+    """The server adapts k to timings, and the tokens of a seed depend on where
+    the blocks end: a seeded sampled request drafts the server's fixed k, so it
+    gives the same tokens every time, pipelined or not."""
+    from tests.conftest import Cluster
+
+    cluster = Cluster(tiny_models["target"], tiny_models["target"], k=4, adaptive=True)
+    sampled = dict(max_tokens=30, temperature=1.0, seed=77)
+    try:
+        with cluster.client() as client:
+            for _ in range(2):  # the policy learns the costs, and k moves off 4
+                assert client.generate(prompt_ids=PROMPT, max_tokens=30).stats.mean_k
+            runs = [client.generate(prompt_ids=PROMPT, pipeline=pipeline, **sampled)
+                    for pipeline in (False, True, False, True)]
+            fixed = client.generate(prompt_ids=PROMPT, pipeline=False, num_draft_tokens=4, **sampled)
+    finally:
+        cluster.stop()
+    assert all(run.token_ids == fixed.token_ids for run in runs)
+    assert all(run.stats.mean_k == 4 for run in runs)
