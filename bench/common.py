@@ -57,6 +57,7 @@ class ModeResult:
     ceiling_tok_s: float | None = None  # tokens/round over verify time: if drafting and overhead cost nothing
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
+    rounds_per_k: list[int] = field(default_factory=list)  # index: block length
     outputs: dict = field(default_factory=dict)
 
 
@@ -134,6 +135,15 @@ def hf_generate(model, prompts: dict[str, list[int]], new_tokens: int, assistant
     return result
 
 
+def theory_tokens_per_round(alpha: float, rounds_per_k: list[int]) -> float:
+    """Leviathan's τ(α, k) averaged over the rounds' block lengths (adaptive k
+    mixes them; τ at the mean k is not the mean τ)."""
+    rounds = sum(rounds_per_k)
+    if not rounds:
+        return 0.0
+    return sum(n * expected_tokens_per_round(alpha, k) for k, n in enumerate(rounds_per_k)) / rounds
+
+
 def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int, **params) -> ModeResult:
     """Greedy generation through the orchestrator, with the request stats folded in."""
     from tandem.client import TandemClient
@@ -141,6 +151,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     result = ModeResult()
     rounds = rejected = accepted = hits = attempts = 0
     k_sum = 0.0
+    rounds_per_k: list[int] = []
     overheads, handovers, verifies, steps = [], [], [], []
     predrafted, drafted_after = [], []
     per_position: list[int] = []
@@ -160,6 +171,9 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
             hits += s.predraft_hits
             attempts += s.predraft_attempts
             k_sum += s.mean_k * s.rounds
+            rounds_per_k.extend([0] * (len(s.rounds_per_k) - len(rounds_per_k)))
+            for k, n in enumerate(s.rounds_per_k):
+                rounds_per_k[k] += n
             overheads.append(s.overhead_ms_p50)
             if s.overhead_ms_p50_predrafted:
                 predrafted.append(s.overhead_ms_p50_predrafted)
@@ -182,8 +196,10 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     # most one rejection (Leviathan et al.'s i.i.d. model).
     alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
     result.acceptance_rate = alpha
-    result.tokens_per_round = result.tokens / rounds if rounds else 0.0
-    result.theory_tokens_per_round = expected_tokens_per_round(alpha, round(result.mean_k)) if rounds else 0.0
+    # What the rounds committed (accepted + 1 each), as τ predicts; the tokens kept
+    # are fewer where max_tokens cut a prompt's last round.
+    result.tokens_per_round = (accepted + rounds) / rounds if rounds else 0.0
+    result.theory_tokens_per_round = theory_tokens_per_round(alpha, rounds_per_k)
     result.predraft_hit_rate = hits / attempts if attempts else None
     result.overhead_ms_per_round_p50 = median(overheads)
     result.overhead_ms_predrafted_p50 = median(predrafted)
@@ -195,6 +211,7 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
         result.ceiling_tok_s = result.tokens_per_round / result.verify_ms_p50 * 1e3
     result.accepted_per_position = per_position
     result.tried_per_position = tried
+    result.rounds_per_k = rounds_per_k
     return result
 
 

@@ -33,6 +33,7 @@ class RoundStats:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
+    rounds_per_k: list[int] = field(default_factory=list)  # index: the block's length
     k_sum: int = 0
     target_prefill: int = 0
     draft_prefill: int = 0
@@ -56,6 +57,8 @@ class RoundStats:
         self.accepted += result.accepted
         self.rejected_rounds += result.accepted < k
         self.k_sum += k
+        self.rounds_per_k.extend([0] * (k + 1 - len(self.rounds_per_k)))
+        self.rounds_per_k[k] += 1
         for counts in (self.accepted_per_position, self.tried_per_position):
             counts.extend([0] * (k - len(counts)))
         for i in range(result.accepted):

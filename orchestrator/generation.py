@@ -157,6 +157,7 @@ class Generation:
                 accepted_tokens=stats.accepted,
                 accepted_per_position=stats.accepted_per_position,
                 tried_per_position=stats.tried_per_position,
+                rounds_per_k=stats.rounds_per_k,
                 k=decoder.policy.k,
                 k_ahead=decoder.policy.k_ahead,
                 mean_k=stats.k_sum / stats.rounds if stats.rounds else 0.0,

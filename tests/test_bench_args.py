@@ -50,3 +50,14 @@ def test_best_ceiling_is_the_highest_among_the_pinned_pipelined_modes():
              "g_whole_machine_pipelined_1t": ModeResult(ceiling_tok_s=13.1)}  # unpinned
     assert best_ceiling(modes) == ("c_pipelined_k2", 12.7)
     assert best_ceiling({"b_sequential": ModeResult(ceiling_tok_s=20.0)}) == (None, None)
+
+
+def test_theory_tokens_per_round_averages_tau_over_the_block_lengths():
+    from bench.common import theory_tokens_per_round
+    from orchestrator.policy import expected_tokens_per_round as tau
+
+    assert theory_tokens_per_round(0.8, [0, 0, 0, 10]) == pytest.approx(tau(0.8, 3))
+    # Half the rounds at k = 2, half at k = 3: the mean of τ, not τ at k = round(2.5) = 2.
+    assert theory_tokens_per_round(0.8, [0, 0, 5, 5]) == pytest.approx((tau(0.8, 2) + tau(0.8, 3)) / 2)
+    assert theory_tokens_per_round(0.8, [4]) == 1.0  # rounds on the target alone commit one token
+    assert theory_tokens_per_round(0.8, []) == 0.0

@@ -49,6 +49,7 @@ async def test_in_process_decoder_matches_target_alone(tiny_models, pipeline):
     assert out == reference_greedy(tiny_models["target"], prompt, 30)
     stats = decoder.stats
     assert stats.accepted == stats.drafted  # draft = target
+    assert stats.rounds_per_k == [0, 0, 0, stats.rounds]  # k = 3 throughout
     if pipeline:
         # Every block is accepted whole and the draft guesses the bonus right, so
         # every round after the first verifies a pre-drafted block.
@@ -128,6 +129,8 @@ async def test_rounds_go_on_on_the_target_alone_while_the_draft_is_down(tiny_mod
     assert stats.undrafted_rounds >= 1  # a failed pre-draft only costs its pre-drafted block
     assert down.calls > 4 and stats.drafted > 0 and not breaker.open  # drafting again after the failures
     assert stats.accepted == stats.drafted  # draft = target: what was drafted was accepted
+    # Blocks of k = 3, or none while the draft is down.
+    assert stats.rounds_per_k == [stats.undrafted_rounds, 0, 0, stats.rounds - stats.undrafted_rounds]
 
 
 async def test_without_fallback_a_down_draft_fails_the_rounds(tiny_models):
