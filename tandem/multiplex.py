@@ -211,15 +211,17 @@ class CallStream:
                 # grpc fails a send on a call that has already finished with a
                 # local INTERNAL ("Failed execute_batch"): the race handled below,
                 # caught one step later.
-                error = self._closed(err.details()) if err.code() == grpc.StatusCode.INTERNAL else err
-                raise self._broken(stream, error) from None
+                if err.code() != grpc.StatusCode.INTERNAL:
+                    raise self._broken(stream, err) from None
+                raise _NotRun(self._broken(stream, self._closed(err.details()), not_run=True)) from None
             except (grpc.aio.UsageError, asyncio.InvalidStateError) as err:
                 # The stream finished (the service stopped it) before our reader saw it end.
-                raise self._broken(stream, self._closed(err)) from None
+                raise _NotRun(self._broken(stream, self._closed(err), not_run=True)) from None
 
     def _closed(self, why) -> grpc.aio.AioRpcError:
         """A call written on a stream that had finished: it never reached the
-        service, so it fails UNAVAILABLE, as a call on a closed stream does."""
+        service, so it is sent once more on a new stream, and fails UNAVAILABLE,
+        as a call on a closed stream does, if that one has finished too."""
         return _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed: {why}")
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -250,16 +252,21 @@ class CallStream:
                     future.set_exception(_call_error(result.error))
                 else:
                     future.set_result(result.reply)
-            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream ended by the service")
+            # A service ends a stream itself once it has answered every call it
+            # started (a drain): a call still waiting here was never run.
+            self._broken(stream, _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream ended by the service"),
+                         not_run=True)
+            return
         except grpc.aio.AioRpcError as err:
             error = err
         except asyncio.CancelledError:
             error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream closed")
         self._broken(stream, error)
 
-    def _broken(self, stream, error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
-        """Fails the calls in flight on a stream that broke; the next call opens
-        a new one. Returns the error they fail with."""
+    def _broken(self, stream, error: grpc.aio.AioRpcError, not_run: bool = False) -> grpc.aio.AioRpcError:
+        """Fails the calls in flight on a stream that broke (with _NotRun when the
+        service cannot have run them); the next call opens a new one. Returns the
+        error they fail with."""
         if error.code() == grpc.StatusCode.CANCELLED:  # e.g. the service stopped after its grace period
             error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.method} stream: {error.details()}")
         current = self._stream is stream
@@ -270,7 +277,7 @@ class CallStream:
             log.info("%s stream broke (%s: %s); %d calls in flight fail", self.method, error.code().name,
                      error.details(), len(failing))
         for future in failing:
-            future.set_exception(error)
+            future.set_exception(_NotRun(error) if not_run else error)
         stream.cancel()
         return error
 

@@ -471,9 +471,10 @@ def test_a_stopping_service_ends_its_streams_once_idle(tiny_models):
 def test_a_call_on_a_stream_that_just_finished_fails_unavailable(failure):
     """A service that stops ends the stream with OK; a call written before the
     caller's reader saw that end fails in the write, with grpc's
-    InvalidStateError or, when the send itself fails, a local INTERNAL. Either
-    way it fails UNAVAILABLE, as a call on a closed stream does, and the next
-    call opens a new stream (races seen in CI, once each)."""
+    InvalidStateError or, when the send itself fails, a local INTERNAL (races
+    seen in CI, once each). Either way the call never reached the service: it
+    is sent once more on a new stream, and fails UNAVAILABLE, as a call on a
+    closed stream does, when that one has finished too."""
     class Finished:
         def __init__(self):
             self.cancelled = False
@@ -510,4 +511,46 @@ def test_a_call_on_a_stream_that_just_finished_fails_unavailable(failure):
 
     codes, opened = asyncio.run(run())
     assert codes == [grpc.StatusCode.UNAVAILABLE] * 2
-    assert len(opened) == 2 and opened[0].cancelled  # the finished stream was dropped, a new one opened
+    assert len(opened) == 4 and all(stream.cancelled for stream in opened)  # each call: two streams, both dropped
+
+
+def test_a_call_left_unanswered_when_the_service_ends_its_stream_is_sent_again():
+    """A stopping service ends a stream once it has answered every call it ran;
+    a call that reached it after that was never run. The caller sends it once
+    more on a new stream (to another replica), not failing it UNAVAILABLE."""
+    class Stream:
+        def __init__(self, answer: bool):
+            self.answer, self.written, self.cancelled = answer, asyncio.Queue(), False
+
+        async def write(self, message):
+            self.written.put_nowait(message)
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            call = await self.written.get()
+            if not self.answer:
+                raise StopAsyncIteration  # ended by the service, the call unanswered
+            return draft_pb2.ProposeResult(call_id=call.call_id, reply=draft_pb2.ProposeReply(tokens=[7]))
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def run():
+        opened = []
+
+        def open_stream():
+            opened.append(Stream(answer=bool(opened)))
+            return opened[-1]
+
+        calls = multiplex.CallStream(open_stream, draft_pb2.ProposeCall, "Propose")
+        try:
+            reply = await calls.call(draft_pb2.ProposeRequest(session_id="s"), timeout_s=5)
+            return list(reply.tokens), opened
+        finally:
+            await calls.close()
+
+    tokens, opened = asyncio.run(run())
+    assert tokens == [7]
+    assert len(opened) == 2 and opened[0].cancelled
