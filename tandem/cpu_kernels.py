@@ -46,7 +46,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LINEAR_KERNELS = ("auto", "native", "packed", "fp16")
+LINEAR_KERNELS = ("auto", "native", "packed", "fp16", "bf16w")
 
 
 def native_bf16() -> bool:
@@ -111,6 +111,12 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
         if linear != "auto":
             raise ValueError(f"{linear} linear layers need device cpu and dtype float32")
         return "native"
+    if linear in ("auto", "bf16w") and packed_available():
+        from tandem import bf16w
+        if (why := bf16w.unavailable()) is None:
+            return "bf16w"
+        if linear == "bf16w":
+            raise ValueError(f"bf16w linear layers cannot run here: {why}; use --linear fp16, packed or native")
     if linear in ("auto", "fp16") and fp16_available() and packed_available():
         return "fp16"
     if linear == "fp16":
@@ -132,8 +138,10 @@ def baseline_configs(device: str, dtype: str) -> list[tuple[str, str]]:
     than float32 with nn.Linear (372 vs 381 ms on the AVX2 machine above),
     because it reads half the bytes; with it, float32 on fp16 weights still
     decodes twice as fast (auto_dtype)."""
-    others = [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")] if device == "cpu" else \
-        [("bfloat16", "auto")]
+    others = [("float32", "auto"), ("float32", "fp16"), ("float32", "native"), ("bfloat16", "auto")] \
+        if device == "cpu" else [("bfloat16", "auto")]
+    if not fp16_available():
+        others = [config for config in others if config[1] != "fp16"]
     configs = [(dtype, "auto")]
     for candidate in others:
         kernels = {(d, resolve_linear(linear, device, d)) for d, linear in configs}
@@ -224,10 +232,16 @@ class Fp16Linear(torch.nn.Module):
 
 
 def pack_linear(linear: torch.nn.Linear, kernel: str = "packed") -> torch.nn.Module:
-    """The replacement of one nn.Linear: a PackedLinear, or for kernel="fp16" an
-    Fp16Linear where its weights convert exactly (else a PackedLinear)."""
-    if kernel not in ("packed", "fp16"):
-        raise ValueError(f"kernel must be 'packed' or 'fp16', got {kernel!r}")
+    """The replacement of one nn.Linear: a PackedLinear; for kernel="fp16" an
+    Fp16Linear where its weights convert exactly (else a PackedLinear); for
+    kernel="bf16w" a Bf16wLinear where they are bf16 values (else as for "fp16")."""
+    if kernel not in ("packed", "fp16", "bf16w"):
+        raise ValueError(f"kernel must be 'packed', 'fp16' or 'bf16w', got {kernel!r}")
+    if kernel == "bf16w":
+        from tandem import bf16w
+        if bf16w.fits(linear):
+            return bf16w.Bf16wLinear(linear)
+        kernel = "fp16" if fp16_available() else "packed"
     exact = exact_fp16(linear.weight.detach().float()) if kernel == "fp16" else None
     return Fp16Linear(linear, exact) if exact is not None else PackedLinear(linear)
 
@@ -251,11 +265,13 @@ def pack_linears(model: torch.nn.Module, kernel: str = "packed") -> int:
     another module (a tied lm_head) stays where it is for that module; the
     replacement holds its own copy."""
     made = replace_linears(model, lambda layer: pack_linear(layer, kernel))
-    count = len(made)
-    inexact = sum(isinstance(m, PackedLinear) for m in made) if kernel == "fp16" else 0
-    if kernel == "fp16":
+    kinds = {name: sum(type(m).__name__ == name for m in made) for name in ("Bf16wLinear", "Fp16Linear", "PackedLinear")}
+    if kernel == "bf16w":
+        log.info("%d linear layers on bf16 weights (tandem/bf16w.c), %d on fp16 weights (FBGEMM), %d packed for "
+                 "oneDNN (their weights are not bf16 values)", *kinds.values())
+    elif kernel == "fp16":
         log.info("%d linear layers on fp16 weights (FBGEMM), %d packed for oneDNN "
-                 "(their weights do not convert to fp16 exactly)", count - inexact, inexact)
+                 "(their weights do not convert to fp16 exactly)", kinds["Fp16Linear"], kinds["PackedLinear"])
     else:
-        log.info("packed %d linear layers for oneDNN", count)
-    return count
+        log.info("packed %d linear layers for oneDNN", len(made))
+    return len(made)

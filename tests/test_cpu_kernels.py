@@ -3,7 +3,7 @@ computes, and the model config picks them only where they apply."""
 import pytest
 import torch
 
-from tandem import cpu_kernels
+from tandem import bf16w, cpu_kernels
 from tandem.modeling import ModelConfig, load_causal_lm
 from tests.conftest import reference_greedy
 
@@ -100,7 +100,8 @@ def test_config_resolves_dtype_and_kernels():
     assert not ModelConfig("m", device="cuda:0", dtype="bfloat16").packed
     assert ModelConfig("m", dtype="float32").packed
     assert not ModelConfig("m", dtype="float32", linear="native").packed
-    assert ModelConfig("m", dtype="float32").kernel == ("fp16" if cpu_kernels.fp16_available() else "packed")
+    assert ModelConfig("m", dtype="float32").kernel == (
+        "bf16w" if bf16w.unavailable() is None else "fp16" if cpu_kernels.fp16_available() else "packed")
     assert ModelConfig("m", dtype="float32", linear="packed").kernel == "packed"
     assert not ModelConfig("m", dtype="bfloat16", linear="native").packed
     with pytest.raises(ValueError, match="fp16 linear layers need"):
@@ -167,11 +168,63 @@ def test_baselines_include_every_kernel_that_may_decode_faster():
     # configuration comes first (the identity reference), then on a CPU float32
     # on its fastest layers, nn.Linear (it wins on one-token decoding where the
     # service packs) and bf16, each set of kernels once.
+    fp16 = [("float32", "fp16")] if bf16w.unavailable() is None and cpu_kernels.fp16_available() else []
     assert cpu_kernels.baseline_configs("cpu", "float32") == [
-        ("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]
+        ("float32", "auto"), *fp16, ("float32", "native"), ("bfloat16", "auto")]
     native = cpu_kernels.resolve_linear("auto", "cpu", "float32") == "native"
-    assert cpu_kernels.baseline_configs("cpu", "bfloat16") == [("bfloat16", "auto"), ("float32", "auto")] + (
+    assert cpu_kernels.baseline_configs("cpu", "bfloat16") == [("bfloat16", "auto"), ("float32", "auto"), *fp16] + (
         [] if native else [("float32", "native")])
     assert cpu_kernels.baseline_configs("cuda:0", "float32") == [("float32", "auto"), ("bfloat16", "auto")]
-    for config in [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]:
+    for config in [("float32", "auto"), ("float32", "fp16"), ("float32", "native"), ("bfloat16", "auto")]:
         assert cpu_kernels.parse_config(cpu_kernels.config_label(*config)) == config
+
+
+@pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
+@pytest.mark.parametrize("out_features,in_features,bias", [(80, 34, True), (128, 64, False), (16, 6, True)])
+def test_bf16w_layers_compute_the_float32_product_and_rows_do_not_depend_on_each_other(out_features, in_features,
+                                                                                      bias):
+    """Shapes with 64-wide blocks, 16-wide tail blocks, or both; 1 to 13 rows
+    (past the kernel's 8 a pass); one thread and two."""
+    torch.manual_seed(0)
+    linear = _bf16_linear(out_features, in_features, bias)
+    layer = bf16w.Bf16wLinear(linear)
+    x = torch.randn(13, in_features)
+    exact64 = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                         None if linear.bias is None else linear.bias.double())
+    got = layer(x)
+    assert got.shape == exact64.shape and got.dtype == torch.float32
+    scale64 = exact64.abs().amax(dim=-1, keepdim=True) + 1e-30
+    assert ((got.double() - exact64).abs() / scale64).max() < 1e-6
+    for rows in (1, 4, 8, 9):  # each row bit for bit what it is alone: a verify's rows equal one-token decoding's
+        assert torch.equal(layer(x[:rows]), got[:rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x.reshape(13, 1, in_features)).reshape(13, -1), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
+def test_bf16w_takes_only_bf16_valued_weights_and_keeps_greedy_output(tiny_models):
+    torch.manual_seed(0)
+    rounded, plain = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)  # float32 mantissas: not bf16 values
+    with torch.no_grad():
+        rounded.weight.copy_(rounded.weight.bfloat16().float())
+    model = torch.nn.Sequential(rounded, torch.nn.ReLU(), plain, torch.nn.Linear(32, 7))  # 7 outputs: not a multiple of 16
+    model[3].weight.data = model[3].weight.data.bfloat16().float()
+    assert cpu_kernels.pack_linears(model, "bf16w") == 3
+    assert isinstance(model[0], bf16w.Bf16wLinear)
+    assert not isinstance(model[2], bf16w.Bf16wLinear) and not isinstance(model[3], bf16w.Bf16wLinear)
+
+    path = tiny_models["target"]
+    model = load_causal_lm(path, ModelConfig(path, dtype="float32", linear="bf16w"))
+    assert all(isinstance(m, bf16w.Bf16wLinear) for m in model.modules()
+               if type(m) is not torch.nn.Linear and hasattr(m, "out_features"))
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    prompt = [5, 17, 99, 3, 42, 8]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
+                             do_sample=False, pad_token_id=0)
+    assert out[0, len(prompt):].tolist() == reference_greedy(path, prompt, 40)
