@@ -37,7 +37,15 @@ One 8960×1536 layer, 1/4/6 tokens: 1.16/1.17/1.17 ms packed bf16 against
 1.07/1.29/1.47 fp16 weights and 2.0/1.7/1.7 bf16 nn.Linear; the 151936-row
 output layer 35.8/35.8/35.4 against 35.9/51.2/58.5 and 44.5/47.4/47.7. So
 auto_dtype picks bf16 where the CPU has AMX, and resolve_linear packs bf16
-where the CPU multiplies bf16 natively."""
+where the CPU multiplies bf16 natively.
+
+For float32 on a CPU with AVX-512, `--linear bf16w` (tandem/bf16w.c, opt-in)
+verifies blocks for less than FBGEMM (tandem.bf16w says why): FBGEMM's cost
+grows by each token's FMAs from three tokens on, and bf16w overlaps them with
+the weights' stream (all the default target's layers, Zen 4, one thread: 4
+tokens 120 ms against 165). It is not `auto` yet: in the pinned benchmark its
+verify beside a running draft cost 197 ms, and end to end it has not been
+measured side by side with FBGEMM (bench/RESULTS.md)."""
 from __future__ import annotations
 
 import logging
@@ -111,12 +119,11 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
         if linear != "auto":
             raise ValueError(f"{linear} linear layers need device cpu and dtype float32")
         return "native"
-    if linear in ("auto", "bf16w") and packed_available():
+    if linear == "bf16w":
         from tandem import bf16w
-        if (why := bf16w.unavailable()) is None:
-            return "bf16w"
-        if linear == "bf16w":
+        if (why := bf16w.unavailable()) is not None:
             raise ValueError(f"bf16w linear layers cannot run here: {why}; use --linear fp16, packed or native")
+        return "bf16w"
     if linear in ("auto", "fp16") and fp16_available() and packed_available():
         return "fp16"
     if linear == "fp16":
