@@ -145,10 +145,8 @@ def baseline_configs(device: str, dtype: str) -> list[tuple[str, str]]:
     than float32 with nn.Linear (372 vs 381 ms on the AVX2 machine above),
     because it reads half the bytes; with it, float32 on fp16 weights still
     decodes twice as fast (auto_dtype)."""
-    others = [("float32", "auto"), ("float32", "fp16"), ("float32", "native"), ("bfloat16", "auto")] \
-        if device == "cpu" else [("bfloat16", "auto")]
-    if not fp16_available():
-        others = [config for config in others if config[1] != "fp16"]
+    others = [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")] if device == "cpu" else \
+        [("bfloat16", "auto")]
     configs = [(dtype, "auto")]
     for candidate in others:
         kernels = {(d, resolve_linear(linear, device, d)) for d, linear in configs}
