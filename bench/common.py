@@ -77,14 +77,14 @@ def load_hf(path: str, dtype: str, linear: str = "auto", device: str = "cpu"):
     return load_causal_lm(path, ModelConfig(path, device=device, dtype=dtype, linear=linear))
 
 
-def baselines(dtype: str, extra: str = "", device: str = "cpu") -> list[tuple[str, str]]:
+def baselines(dtype: str, extra: str = "", device: str = "cpu", linear: str = "auto") -> list[tuple[str, str]]:
     """The (dtype, linear) configurations to time the target alone in: Tandem's
-    own first (the identity reference), every other that may decode faster on
-    this machine (tandem.cpu_kernels.baseline_configs), then `extra`
-    ('bfloat16,float32/native')."""
+    own first (the identity reference; `linear` is the target service's
+    --linear), every other that may decode faster on this machine
+    (tandem.cpu_kernels.baseline_configs), then `extra` ('bfloat16,float32/native')."""
     from tandem.cpu_kernels import baseline_configs, parse_config
 
-    configs = baseline_configs(device, dtype)
+    configs = baseline_configs(device, dtype, linear)
     for label in extra.split(","):
         if label and parse_config(label) not in configs:
             configs.append(parse_config(label))

@@ -55,6 +55,13 @@ WHOLE_CONFIGS = "sequential:2,pipelined:1"
 HF_ASSISTED_K = 3  # mode (f)
 
 
+def target_linear(target_args: str) -> str:
+    """The --linear in the target service's extra flags ('auto' without one)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--linear", default="auto")
+    return parser.parse_known_args(target_args.split())[0].linear
+
+
 def best_ceiling(modes: dict[str, ModeResult]) -> tuple[str, float] | tuple[None, None]:
     """The pinned pipelined mode, (c) at each k or (d), with the highest ceiling
     (tokens per round over its median verify time), and that ceiling in tok/s.
@@ -80,7 +87,7 @@ def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks,
     gpu = args.device != "cpu"
     threads = (None, None) if gpu else (args.threads_per_node,) * 2 if pinned else whole[1:]
     model_args = ["--dtype", args.dtype, "--device", args.device]
-    target = Service("target", ["--model", args.target, *model_args], threads=threads[0],
+    target = Service("target", ["--model", args.target, *model_args, *args.target_args.split()], threads=threads[0],
                      cpus=cpus_target if pinned and not gpu else None)
     draft = Service("draft", ["--model", args.draft, *model_args, *args.draft_args.split()],
                     threads=threads[1], cpus=cpus_draft if pinned and not gpu else None)
@@ -153,6 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-args", default=None,
                         help="extra flags for the draft service (default: '--quantize auto --vocab-subset 32768' "
                              "on a CPU, none on a GPU)")
+    parser.add_argument("--target-args", default="",
+                        help="extra flags for the target service, e.g. '--linear bf16w'; its --linear is the first "
+                             "configuration of the target alone, the identity reference (default: none)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--fixed-ks", default="2,3,4,5", help="k values of mode (c)")
@@ -202,7 +212,7 @@ def main(argv=None) -> int:
     # alone, never a slower one.
     from tandem.cpu_kernels import config_label
 
-    configs = baselines(args.dtype, args.baselines, args.device)
+    configs = baselines(args.dtype, args.baselines, args.device, target_linear(args.target_args))
     for i, (dtype, linear) in enumerate(configs):
         label = config_label(dtype, linear)
         suffix = "" if i == 0 else "_" + label.replace("/", "_")
@@ -296,6 +306,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "baselines": [config_label(*c) for c in configs],
         "draft_args": args.draft_args,
+        "target_args": args.target_args,
         "hf_assisted": hf_assisted_config(HF_ASSISTED_K),
         "whole_machine": {"configs": [{"pipeline": p, "target_threads": t, "draft_threads": d}
                                       for p, t, d in args.whole_configs],

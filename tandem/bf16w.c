@@ -1,59 +1,99 @@
 /* y[M, N] = x[M, K] · W[N, K]ᵀ in float32 arithmetic, W held in bf16 and widened
-   exactly in registers (tandem/bf16w.py says why). AVX-512F.
+   exactly in registers (tandem/bf16w.py says why). Built for AVX-512F, or for
+   AVX2 + FMA where the CPU has no AVX-512 (the compiler's flags pick which).
 
-   Packed W: column blocks of 64 (then of 16 for what is left), and within a
-   block, for each pair of input columns (k, k+1), one 32-bit word per output
-   column: W[n, k] in its low half, W[n, k+1] in its high half. A block is
-   read once, front to back, for all M rows of x (at most 8 at a time); each
-   output is one float32 accumulator that takes k = 0, 1, 2, … in order, so
-   an output row does not depend on the other rows of x, on M, or on the
-   number of threads. */
+   Packed W: column blocks of BLOCK (64 with AVX-512, 16 with AVX2), then of
+   LANES (16 or 8) for what is left, and within a block, for each pair of
+   input columns (k, k+1), one 32-bit word per output column: W[n, k] in its
+   low half, W[n, k+1] in its high half. A block is read once from memory,
+   front to back, for all M rows of x (at most 8 at a time); each output is
+   one float32 accumulator that takes k = 0, 1, 2, … in order, so an output
+   row does not depend on the other rows of x, on M, on the number of
+   threads, or on which of the two builds computed it. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <omp.h>
 
-#define WIDE 4 /* 16-lane vectors in a main block: 64 columns */
 #define PREFETCH_BYTES 2048
 
-static inline __attribute__((always_inline)) void block(const int M, const int vecs, const float *x, int64_t K,
-                                                        const uint32_t *w, float *y, int64_t N, int64_t n) {
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 acc[8][WIDE];
+#ifdef __AVX512F__
+#define LANES 16
+#define WIDE 4 /* vectors in a main block: 64 columns */
+typedef __m512 vec;
+typedef __m512i ivec;
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(f) _mm512_set1_ps(f)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define ILOAD(p) _mm512_loadu_si512((const void *)(p))
+#define EVEN(pair) _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16))
+#define ODD(pair) _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)))
+#else
+#define LANES 8
+#define WIDE 2 /* 16 registers: 4 rows × 2 accumulators + the weights fit */
+typedef __m256 vec;
+typedef __m256i ivec;
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(f) _mm256_set1_ps(f)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define ILOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define EVEN(pair) _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16))
+#define ODD(pair) _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)))
+#endif
+#define BLOCK (WIDE * LANES)
+
+/* `vecs` vectors of output columns, from `w` on, where a pair of input columns
+   takes `stride` words of the block (vecs * LANES, or more when a pass takes
+   part of a block: the rest of each pair's words are then read from cache). */
+static inline __attribute__((always_inline)) void block(const int M, const int vecs, const int64_t stride,
+                                                        const float *x, int64_t K, const uint32_t *w, float *y,
+                                                        int64_t N, int64_t n) {
+    vec acc[8][WIDE];
     _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)
-        _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[m][v] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[m][v] = VZERO();
     for (int64_t p = 0; p < K / 2; p++) {
-        const uint32_t *wk = w + p * vecs * 16;
-        __m512 even[WIDE], odd[WIDE];
+        const uint32_t *wk = w + p * stride;
+        vec even[WIDE], odd[WIDE];
+        _mm_prefetch((const char *)wk + PREFETCH_BYTES, _MM_HINT_T0);
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
-            _mm_prefetch((const char *)(wk + v * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-            __m512i pair = _mm512_loadu_si512((const void *)(wk + v * 16));
-            even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-            odd[v] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+            if (v * LANES * 4 % 64 == 0 && v)
+                _mm_prefetch((const char *)(wk + v * LANES) + PREFETCH_BYTES, _MM_HINT_T0);
+            const ivec pair = ILOAD(wk + v * LANES);
+            even[v] = EVEN(pair);
+            odd[v] = ODD(pair);
         }
         _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {
-            const __m512 a = _mm512_set1_ps(x[m * K + 2 * p]), b = _mm512_set1_ps(x[m * K + 2 * p + 1]);
+            const vec a = VSET1(x[m * K + 2 * p]), b = VSET1(x[m * K + 2 * p + 1]);
             _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
-                acc[m][v] = _mm512_fmadd_ps(a, even[v], acc[m][v]);
-                acc[m][v] = _mm512_fmadd_ps(b, odd[v], acc[m][v]);
+                acc[m][v] = VFMA(a, even[v], acc[m][v]);
+                acc[m][v] = VFMA(b, odd[v], acc[m][v]);
             }
         }
     }
     _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)
-        _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) _mm512_storeu_ps(y + m * N + n + v * 16, acc[m][v]);
+        _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) VSTORE(y + m * N + n + v * LANES, acc[m][v]);
 }
 
-/* Blocks [b0, b1) of the layer: the first N / 64 are 64 wide, the rest 16. */
-#define BLOCKS(M)                                                                                        \
+/* Blocks [b0, b1) of the layer: the first N / BLOCK are BLOCK wide, the rest LANES.
+   With AVX2, more than 4 rows do not fit the registers beside two vectors of
+   weights: a main block then takes two passes of one vector each, the second
+   over a block the first has just brought into cache. */
+#define BLOCKS(M)                                                                                         \
     static void blocks_##M(const float *x, const uint32_t *w, float *y, int64_t N, int64_t K, int64_t b0, \
-                           int64_t b1) {                                                                 \
-        const int64_t wide = N / (WIDE * 16);                                                            \
-        for (int64_t b = b0; b < b1; b++) {                                                              \
-            if (b < wide)                                                                                \
-                block(M, WIDE, x, K, w + b * (K / 2) * WIDE * 16, y, N, b * WIDE * 16);                  \
-            else                                                                                         \
-                block(M, 1, x, K, w + wide * (K / 2) * WIDE * 16 + (b - wide) * (K / 2) * 16, y, N,      \
-                      wide * WIDE * 16 + (b - wide) * 16);                                               \
-        }                                                                                                \
+                           int64_t b1) {                                                                  \
+        const int64_t wide = N / BLOCK;                                                                   \
+        for (int64_t b = b0; b < b1; b++) {                                                               \
+            if (b >= wide)                                                                                \
+                block(M, 1, LANES, x, K, w + wide * (K / 2) * BLOCK + (b - wide) * (K / 2) * LANES, y, N, \
+                      wide * BLOCK + (b - wide) * LANES);                                                 \
+            else if (LANES == 16 || M <= 4)                                                               \
+                block(M, WIDE, BLOCK, x, K, w + b * (K / 2) * BLOCK, y, N, b * BLOCK);                    \
+            else                                                                                          \
+                for (int v = 0; v < WIDE; v++)                                                            \
+                    block(M, 1, BLOCK, x, K, w + b * (K / 2) * BLOCK + v * LANES, y, N,                   \
+                          b * BLOCK + v * LANES);                                                         \
+        }                                                                                                 \
     }
 BLOCKS(1) BLOCKS(2) BLOCKS(3) BLOCKS(4) BLOCKS(5) BLOCKS(6) BLOCKS(7) BLOCKS(8)
 
@@ -70,9 +110,13 @@ static void rows(int M, const float *x, const uint32_t *w, float *y, int64_t N, 
     }
 }
 
-/* N % 16 == 0 and K % 2 == 0; any M (8 rows of x a pass over W). */
+/* Output columns a block of the packed layout holds (the packing below and
+   tandem/bf16w.py use it: N must be a multiple of LANES). */
+int tandem_bf16w_lanes(void) { return LANES; }
+
+/* N % LANES == 0 and K % 2 == 0; any M (8 rows of x a pass over W). */
 void tandem_bf16w_linear(const float *x, const uint32_t *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-    const int64_t nblocks = N / (WIDE * 16) + (N % (WIDE * 16)) / 16;
+    const int64_t nblocks = N / BLOCK + (N % BLOCK) / LANES;
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int rows_now = (int)(M - m0 < 8 ? M - m0 : 8);
         if (threads <= 1) {
@@ -91,7 +135,7 @@ void tandem_bf16w_linear(const float *x, const uint32_t *w, float *y, int64_t M,
 void tandem_bf16w_pack(const uint16_t *W, uint32_t *packed, int64_t N, int64_t K) {
     uint32_t *out = packed;
     for (int64_t n = 0; n < N;) {
-        const int64_t width = n + WIDE * 16 <= N && n < N / (WIDE * 16) * (WIDE * 16) ? WIDE * 16 : 16;
+        const int64_t width = n + BLOCK <= N && n < N / BLOCK * BLOCK ? BLOCK : LANES;
         for (int64_t p = 0; p < K / 2; p++)
             for (int64_t c = 0; c < width; c++) {
                 const uint16_t *row = W + (n + c) * K;

@@ -1,4 +1,4 @@
-"""float32 linear layers on weights held in bf16 (`--linear bf16w`, CPUs with AVX-512).
+"""float32 linear layers on weights held in bf16 (`--linear bf16w`, CPUs with AVX-512 or AVX2).
 
 Why: a verify of k+1 tokens multiplies every weight by k+1 rows of
 activations. FBGEMM's fp16-weight kernel (cpu_kernels.Fp16Linear) streams
@@ -40,18 +40,21 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16w.c")
-FLAGS = ["-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC"]
+COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_FLAGS = {"AVX512": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma"]}  # by torch's CPU capability
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
 
 
-def cpu_supported() -> bool:
-    """Whether this CPU runs AVX-512F code (what torch's dispatcher found)."""
+def cpu_capability() -> str | None:
+    """"AVX512" or "AVX2" (with FMA), what torch's dispatcher found; None for
+    a CPU the kernel has no build for."""
     try:
-        return torch.backends.cpu.get_cpu_capability() == "AVX512"
+        capability = torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
-        return False
+        return None
+    return capability if capability in ISA_FLAGS else None
 
 
 def compiler() -> str | None:
@@ -84,23 +87,25 @@ def unavailable() -> str | None:
 
 
 def _build_and_load() -> ctypes.CDLL:
-    if not cpu_supported():
-        raise RuntimeError("this CPU has no AVX-512")
+    isa = cpu_capability()
+    if isa is None:
+        raise RuntimeError("this CPU has neither AVX-512 nor AVX2")
+    flags = [*COMMON_FLAGS, *ISA_FLAGS[isa]]
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or $CC) to build it with")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     target = cache_dir() / f"bf16w-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
             if result.returncode:
                 raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {result.stderr.strip()[-500:]}")
             os.replace(built, target)  # atomic: another process may build it at the same time
-        log.info("built the bf16w kernel: %s", target)
+        log.info("built the bf16w kernel (%s): %s", isa, target)
     lib = ctypes.CDLL(str(target))
     lib.tandem_bf16w_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tandem_bf16w_linear.restype = None

@@ -39,11 +39,12 @@ output layer 35.8/35.8/35.4 against 35.9/51.2/58.5 and 44.5/47.4/47.7. So
 auto_dtype picks bf16 where the CPU has AMX, and resolve_linear packs bf16
 where the CPU multiplies bf16 natively.
 
-For float32 on a CPU with AVX-512, `--linear bf16w` (tandem/bf16w.c, opt-in)
+For float32 on a CPU with AVX-512 or AVX2, `--linear bf16w` (tandem/bf16w.c, opt-in)
 verifies blocks for less than FBGEMM (tandem.bf16w says why): FBGEMM's cost
 grows by each token's FMAs from three tokens on, and bf16w overlaps them with
 the weights' stream (all the default target's layers, Zen 4, one thread: 4
-tokens 120 ms against 165). It is not `auto` yet: in the pinned benchmark its
+tokens 120 ms against 165; on a 2-core AVX2 EPYC VM without AVX-512, 1/2/3/4/6
+tokens 274/299/363/472/723 ms against 378/437/529/566/780). It is not `auto` yet: in the pinned benchmark its
 verify beside a running draft cost 197 ms, and end to end it has not been
 measured side by side with FBGEMM (bench/RESULTS.md)."""
 from __future__ import annotations
@@ -135,10 +136,10 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
     return "native"
 
 
-def baseline_configs(device: str, dtype: str) -> list[tuple[str, str]]:
+def baseline_configs(device: str, dtype: str, linear: str = "auto") -> list[tuple[str, str]]:
     """The (dtype, linear) configurations to time the target alone in, for a
     speedup over the fastest of them: the service's own first (the identity
-    reference: same weights, same kernels), then, on a CPU, float32 on its
+    reference: same weights, same kernels; `linear` is its --linear), then, on a CPU, float32 on its
     fastest layers, float32 nn.Linear (MKL's one-row product wins on one-token
     decoding where the service packs) and bf16; on a GPU, bf16. Each set of
     kernels once. Even without native bf16, a one-token bf16 decode is no slower
@@ -147,7 +148,7 @@ def baseline_configs(device: str, dtype: str) -> list[tuple[str, str]]:
     decodes twice as fast (auto_dtype)."""
     others = [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")] if device == "cpu" else \
         [("bfloat16", "auto")]
-    configs = [(dtype, "auto")]
+    configs = [(dtype, linear)]
     for candidate in others:
         kernels = {(d, resolve_linear(linear, device, d)) for d, linear in configs}
         if (candidate[0], resolve_linear(candidate[1], device, candidate[0])) not in kernels:

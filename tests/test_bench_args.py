@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from bench.nodes import WHOLE_CONFIGS, whole_configs
+from bench.nodes import WHOLE_CONFIGS, target_linear, whole_configs
 
 
 def test_whole_configs_give_each_service_its_threads():
@@ -19,6 +19,12 @@ def test_the_default_whole_configs_parse():
 def test_bad_whole_configs_are_refused(spec):
     with pytest.raises(argparse.ArgumentTypeError, match="--whole-configs"):
         whole_configs(spec)
+
+
+def test_the_target_alone_is_timed_first_in_the_target_services_kernels():
+    assert target_linear("") == "auto"
+    assert target_linear("--linear bf16w") == "bf16w"
+    assert target_linear("--cache-budget-mb 100 --linear=native --foo") == "native"
 
 
 def test_hf_assisted_runs_as_configured_and_keeps_the_target_output(tiny_models):

@@ -184,6 +184,10 @@ def test_baselines_include_every_kernel_that_may_decode_faster():
     assert cpu_kernels.baseline_configs("cuda:0", "float32") == [("float32", "auto"), ("bfloat16", "auto")]
     for config in [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]:
         assert cpu_kernels.parse_config(cpu_kernels.config_label(*config)) == config
+    if bf16w.unavailable() is None and cpu_kernels.resolve_linear("auto", "cpu", "float32") != "bf16w":
+        # A service on --linear bf16w: its own kernels first, then the others, auto's included.
+        assert cpu_kernels.baseline_configs("cpu", "float32", "bf16w") == [
+            ("float32", "bf16w"), ("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]
 
 
 @pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
