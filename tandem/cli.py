@@ -61,11 +61,12 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                         "(default: %(default)s)")
     p.add_argument("--linear", default="auto", choices=["auto", "native", "packed", "fp16", "bf16w"],
                    help="linear kernels (CPU): bf16w = float32 on weights held in bf16 (tandem/bf16w.c, built "
-                        "once with the system C compiler; CPUs with AVX-512 or AVX2; opt-in), for layers whose weights are bf16 "
-                        "values (others fp16); fp16 = FBGEMM on weights stored in fp16, float32 only, for layers "
-                        "whose weights convert exactly (others packed); packed = oneDNN with weights reordered "
-                        "at load, float32, or bfloat16 on CPUs with native bf16; native = nn.Linear; auto = fp16 "
-                        "where it applies, else packed where it applies (default: %(default)s)")
+                        "once with the system C compiler; CPUs with AVX-512 or AVX2), for layers whose weights are "
+                        "bf16 values (others fp16); fp16 = FBGEMM on weights stored in fp16, float32 only, for "
+                        "layers whose weights convert exactly (others packed); packed = oneDNN with weights "
+                        "reordered at load, float32, or bfloat16 on CPUs with native bf16; native = nn.Linear; "
+                        "auto = bf16w on CPUs with AVX2 and no AVX-512, else fp16 where it applies, else packed "
+                        "where it applies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")

@@ -39,14 +39,17 @@ output layer 35.8/35.8/35.4 against 35.9/51.2/58.5 and 44.5/47.4/47.7. So
 auto_dtype picks bf16 where the CPU has AMX, and resolve_linear packs bf16
 where the CPU multiplies bf16 natively.
 
-For float32 on a CPU with AVX-512 or AVX2, `--linear bf16w` (tandem/bf16w.c, opt-in)
-verifies blocks for less than FBGEMM (tandem.bf16w says why): FBGEMM's cost
-grows by each token's FMAs from three tokens on, and bf16w overlaps them with
-the weights' stream (all the default target's layers, Zen 4, one thread: 4
-tokens 120 ms against 165; on a 2-core AVX2 EPYC VM without AVX-512, 1/2/3/4/6
-tokens 274/299/363/472/723 ms against 378/437/529/566/780). It is not `auto` yet: in the pinned benchmark its
-verify beside a running draft cost 197 ms, and end to end it has not been
-measured side by side with FBGEMM (bench/RESULTS.md)."""
+For float32, tandem/bf16w.c (`--linear bf16w`; tandem.bf16w says why)
+verifies blocks for less than FBGEMM: FBGEMM's cost grows by each token's
+FMAs from three tokens on, and bf16w overlaps them with the weights' stream.
+All the default target's layers, one thread: on a Zen 4 VM (AVX-512) 4
+tokens 120 ms against 165; on a 2-core AVX2 EPYC VM without AVX-512,
+1/2/3/4/6 tokens 274/299/363/472/723 ms against 378/437/529/566/780. On
+CPUs with AVX2 and no AVX-512 it is `auto` (bf16w_preferred): there the
+target alone decoded 2.80 tok/s on it against 2.10 on FBGEMM, and pinned
+pipelined Tandem ran faster on it too (bench/RESULTS.md). With AVX-512 it
+stays opt-in: on the Zen 4 VM the target alone decoded 2.5% slower on it,
+and its verify beside a running draft lost its lead (bench/RESULTS.md)."""
 from __future__ import annotations
 
 import logging
@@ -91,7 +94,7 @@ def auto_dtype(device: str) -> str:
         return "bfloat16"
     if amx_bf16() and packed_available():
         return "bfloat16"
-    if fp16_available() and packed_available():
+    if (fp16_available() and packed_available()) or bf16w_preferred():
         return "float32"
     return "bfloat16" if native_bf16() else "float32"
 
@@ -100,11 +103,21 @@ def fp16_available() -> bool:
     return hasattr(torch.ops.quantized, "linear_prepack_fp16") and "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def bf16w_preferred() -> bool:
+    """Whether `auto` runs float32 layers on tandem/bf16w.c: on CPUs with AVX2
+    and no AVX-512, where it was faster than FBGEMM's fp16 layers at every
+    block size and end to end (the module docstring). On AVX-512 it stays
+    opt-in (it decoded one token 2.5% slower than FBGEMM on a Zen 4 VM)."""
+    from tandem import bf16w
+    return bf16w.cpu_capability() == "AVX2" and bf16w.unavailable() is None
+
+
 def resolve_linear(linear: str, device: str, dtype: str) -> str:
     """The kernel a model on `device` in `dtype` gets for `linear`: "native"
     (nn.Linear), "packed" (oneDNN) or "fp16" (FBGEMM on fp16 weights, packed
     where a layer's weights do not convert exactly). "auto": the fastest that
-    applies, fp16 > packed > native for float32 on a CPU; for bfloat16 on a CPU,
+    applies, bf16w (where bf16w_preferred) > fp16 > packed > native for float32
+    on a CPU; for bfloat16 on a CPU,
     packed where it multiplies bf16 natively, else native. Raises on a choice
     that cannot apply."""
     if linear == "native":
@@ -125,6 +138,8 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
         if (why := bf16w.unavailable()) is not None:
             raise ValueError(f"bf16w linear layers cannot run here: {why}; use --linear fp16, packed or native")
         return "bf16w"
+    if linear == "auto" and bf16w_preferred():
+        return "bf16w"
     if linear in ("auto", "fp16") and fp16_available() and packed_available():
         return "fp16"
     if linear == "fp16":
@@ -139,19 +154,24 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
 def baseline_configs(device: str, dtype: str, linear: str = "auto") -> list[tuple[str, str]]:
     """The (dtype, linear) configurations to time the target alone in, for a
     speedup over the fastest of them: the service's own first (the identity
-    reference: same weights, same kernels; `linear` is its --linear), then, on a CPU, float32 on its
-    fastest layers, float32 nn.Linear (MKL's one-row product wins on one-token
+    reference: same weights, same kernels; `linear` is its --linear), then, on
+    a CPU, float32 on its fastest layers, on FBGEMM's fp16 layers where auto
+    picks others, float32 nn.Linear (MKL's one-row product wins on one-token
     decoding where the service packs) and bf16; on a GPU, bf16. Each set of
     kernels once. Even without native bf16, a one-token bf16 decode is no slower
     than float32 with nn.Linear (372 vs 381 ms on the AVX2 machine above),
     because it reads half the bytes; with it, float32 on fp16 weights still
     decodes twice as fast (auto_dtype)."""
-    others = [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")] if device == "cpu" else \
-        [("bfloat16", "auto")]
+    others = [("float32", "auto"), ("float32", "fp16"), ("float32", "native"), ("bfloat16", "auto")] \
+        if device == "cpu" else [("bfloat16", "auto")]
     configs = [(dtype, linear)]
     for candidate in others:
         kernels = {(d, resolve_linear(linear, device, d)) for d, linear in configs}
-        if (candidate[0], resolve_linear(candidate[1], device, candidate[0])) not in kernels:
+        try:
+            kernel = resolve_linear(candidate[1], device, candidate[0])
+        except ValueError:  # e.g. no FBGEMM in this torch build
+            continue
+        if (candidate[0], kernel) not in kernels:
             configs.append(candidate)
     return configs
 

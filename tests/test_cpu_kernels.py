@@ -104,7 +104,9 @@ def test_config_resolves_dtype_and_kernels():
     assert not ModelConfig("m", device="cuda:0", dtype="bfloat16").packed
     assert ModelConfig("m", dtype="float32").packed
     assert not ModelConfig("m", dtype="float32", linear="native").packed
-    assert ModelConfig("m", dtype="float32").kernel == ("fp16" if cpu_kernels.fp16_available() else "packed")
+    assert ModelConfig("m", dtype="float32").kernel == (
+        "bf16w" if cpu_kernels.bf16w_preferred() else "fp16" if cpu_kernels.fp16_available() else "packed")
+    assert cpu_kernels.bf16w_preferred() == (bf16w.cpu_capability() == "AVX2" and bf16w.unavailable() is None)
     if bf16w.unavailable() is None:
         assert ModelConfig("m", dtype="float32", linear="bf16w").kernel == "bf16w"
     else:
@@ -127,7 +129,8 @@ def test_cpu_picks_bf16_packed_with_amx_and_packs_bf16_only_where_native(monkeyp
     monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: amx)
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: native_bf16)
     fp16 = cpu_kernels.fp16_available()
-    expected = "bfloat16" if amx else ("float32" if fp16 or not native_bf16 else "bfloat16")
+    float32 = fp16 or cpu_kernels.bf16w_preferred() or not native_bf16
+    expected = "bfloat16" if amx else ("float32" if float32 else "bfloat16")
     assert ModelConfig("m").resolved_dtype == expected
     assert ModelConfig("m", dtype="bfloat16").kernel == ("packed" if native_bf16 else "native")
     if native_bf16:
@@ -176,18 +179,24 @@ def test_baselines_include_every_kernel_that_may_decode_faster():
     # configuration comes first (the identity reference), then on a CPU float32
     # on its fastest layers, nn.Linear (it wins on one-token decoding where the
     # service packs) and bf16, each set of kernels once.
+    auto = cpu_kernels.resolve_linear("auto", "cpu", "float32")
+    # FBGEMM's fp16 layers where auto runs other kernels (bf16w on an AVX2 CPU)
+    fbgemm = [("float32", "fp16")] if auto not in ("fp16", "packed", "native") else []
     assert cpu_kernels.baseline_configs("cpu", "float32") == [
-        ("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]
-    native = cpu_kernels.resolve_linear("auto", "cpu", "float32") == "native"
-    assert cpu_kernels.baseline_configs("cpu", "bfloat16") == [("bfloat16", "auto"), ("float32", "auto")] + (
+        ("float32", "auto"), *fbgemm, ("float32", "native"), ("bfloat16", "auto")]
+    native = auto == "native"
+    assert cpu_kernels.baseline_configs("cpu", "bfloat16") == [("bfloat16", "auto"), ("float32", "auto"), *fbgemm] + (
         [] if native else [("float32", "native")])
     assert cpu_kernels.baseline_configs("cuda:0", "float32") == [("float32", "auto"), ("bfloat16", "auto")]
     for config in [("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]:
         assert cpu_kernels.parse_config(cpu_kernels.config_label(*config)) == config
-    if bf16w.unavailable() is None and cpu_kernels.resolve_linear("auto", "cpu", "float32") != "bf16w":
+    if bf16w.unavailable() is None and auto == "fp16":
         # A service on --linear bf16w: its own kernels first, then the others, auto's included.
         assert cpu_kernels.baseline_configs("cpu", "float32", "bf16w") == [
             ("float32", "bf16w"), ("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]
+    if auto == "bf16w":  # and a service on --linear fp16
+        assert cpu_kernels.baseline_configs("cpu", "float32", "fp16") == [
+            ("float32", "fp16"), ("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]
 
 
 @pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
