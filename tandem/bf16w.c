@@ -19,6 +19,7 @@
 #ifdef __AVX512F__
 #define LANES 16
 #define WIDE 4 /* vectors in a main block: 64 columns */
+#define WIDE_ROWS 8 /* rows of x a pass over a main block takes whole */
 typedef __m512 vec;
 typedef __m512i ivec;
 #define VZERO() _mm512_setzero_ps()
@@ -31,6 +32,7 @@ typedef __m512i ivec;
 #else
 #define LANES 8
 #define WIDE 2 /* 16 registers: 4 rows × 2 accumulators + the weights fit */
+#define WIDE_ROWS 4
 typedef __m256 vec;
 typedef __m256i ivec;
 #define VZERO() _mm256_setzero_ps()
@@ -55,9 +57,8 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
     for (int64_t p = 0; p < K / 2; p++) {
         const uint32_t *wk = w + p * stride;
         vec even[WIDE], odd[WIDE];
-        _mm_prefetch((const char *)wk + PREFETCH_BYTES, _MM_HINT_T0);
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
-            if (v * LANES * 4 % 64 == 0 && v)
+            if (v * LANES * 4 % 64 == 0) /* one prefetch a cache line */
                 _mm_prefetch((const char *)(wk + v * LANES) + PREFETCH_BYTES, _MM_HINT_T0);
             const ivec pair = ILOAD(wk + v * LANES);
             even[v] = EVEN(pair);
@@ -76,9 +77,9 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
 }
 
 /* Blocks [b0, b1) of the layer: the first N / BLOCK are BLOCK wide, the rest LANES.
-   With AVX2, more than 4 rows do not fit the registers beside two vectors of
-   weights: a main block then takes two passes of one vector each, the second
-   over a block the first has just brought into cache. */
+   Above WIDE_ROWS rows (AVX2: 4) the accumulators do not fit the registers
+   beside a block's weights: a main block then takes a pass of one vector per
+   vector, each after the first over a block already in cache. */
 #define BLOCKS(M)                                                                                         \
     static void blocks_##M(const float *x, const uint32_t *w, float *y, int64_t N, int64_t K, int64_t b0, \
                            int64_t b1) {                                                                  \
@@ -87,7 +88,7 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
             if (b >= wide)                                                                                \
                 block(M, 1, LANES, x, K, w + wide * (K / 2) * BLOCK + (b - wide) * (K / 2) * LANES, y, N, \
                       wide * BLOCK + (b - wide) * LANES);                                                 \
-            else if (LANES == 16 || M <= 4)                                                               \
+            else if (M <= WIDE_ROWS)                                                               \
                 block(M, WIDE, BLOCK, x, K, w + b * (K / 2) * BLOCK, y, N, b * BLOCK);                    \
             else                                                                                          \
                 for (int v = 0; v < WIDE; v++)                                                            \
@@ -109,10 +110,6 @@ static void rows(int M, const float *x, const uint32_t *w, float *y, int64_t N, 
     default: blocks_8(x, w, y, N, K, b0, b1); break;
     }
 }
-
-/* Output columns a block of the packed layout holds (the packing below and
-   tandem/bf16w.py use it: N must be a multiple of LANES). */
-int tandem_bf16w_lanes(void) { return LANES; }
 
 /* N % LANES == 0 and K % 2 == 0; any M (8 rows of x a pass over W). */
 void tandem_bf16w_linear(const float *x, const uint32_t *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {

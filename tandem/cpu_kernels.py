@@ -83,9 +83,9 @@ def packed_available() -> bool:
 
 def auto_dtype(device: str) -> str:
     """bfloat16 on GPUs. On a CPU with AMX-BF16, bfloat16 on packed layers (the
-    module docstring's measurements). Else float32 on fp16-weight layers where
-    FBGEMM has them, even where the CPU has native bf16 without AMX: on a 2-core
-    AVX512-BF16 EPYC, one thread, the default target alone decoded 8.64 tok/s
+    module docstring's measurements). Else float32 on bf16w or fp16-weight
+    layers where either runs (resolve_linear picks which), even where the CPU
+    has native bf16 without AMX: on a 2-core AVX512-BF16 EPYC, one thread, the default target alone decoded 8.64 tok/s
     against 4.30 in bf16 on nn.Linear (2 prompts × 48 tokens), and on a Zen 4
     EPYC with AVX512-BF16 packed bf16 verified 4-6 tokens for less but decoded
     one slower, and pipelined Tandem ran no faster in it (9.45 tok/s against
@@ -117,9 +117,8 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
     (nn.Linear), "packed" (oneDNN) or "fp16" (FBGEMM on fp16 weights, packed
     where a layer's weights do not convert exactly). "auto": the fastest that
     applies, bf16w (where bf16w_preferred) > fp16 > packed > native for float32
-    on a CPU; for bfloat16 on a CPU,
-    packed where it multiplies bf16 natively, else native. Raises on a choice
-    that cannot apply."""
+    on a CPU; for bfloat16 on a CPU, packed where it multiplies bf16 natively,
+    else native. Raises on a choice that cannot apply."""
     if linear == "native":
         return "native"
     if device == "cpu" and dtype == "bfloat16" and linear in ("auto", "packed"):
