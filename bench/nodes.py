@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="dtype of Tandem's models and of the identity reference; auto = what a service picks "
                              "(tandem.cpu_kernels.auto_dtype: bfloat16 on a GPU, bfloat16 on packed layers on a CPU "
-                             "with AMX, else float32 on fp16-weight layers on a CPU with FBGEMM) (default: %(default)s)")
+                             "with AMX, else float32 on bf16-held or fp16-weight layers) (default: %(default)s)")
     parser.add_argument("--baselines", default="",
                         help="time the target alone (a, e) in these configurations too, e.g. 'bfloat16,float32/native'; "
                              "Tandem's own and tandem.cpu_kernels.baseline_configs' others (on a CPU: float32 on its "

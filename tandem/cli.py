@@ -56,8 +56,9 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="weights and compute dtype; auto = bfloat16 on GPUs; on CPUs with AMX bfloat16 on packed "
-                        "layers; on other CPUs float32 on fp16-weight layers where FBGEMM has them (faster than "
-                        "native bf16 without AMX too), else bfloat16 with native bf16, else float32 (see --linear) "
+                        "layers; on other CPUs float32 on bf16-held weights (--linear bf16w) where that kernel "
+                        "builds, else on fp16-weight layers where FBGEMM has them (faster than native bf16 without "
+                        "AMX too), else bfloat16 with native bf16, else float32 (see --linear) "
                         "(default: %(default)s)")
     p.add_argument("--linear", default="auto", choices=["auto", "native", "packed", "fp16", "bf16w"],
                    help="linear kernels (CPU): bf16w = float32 on weights held in bf16 (tandem/bf16w.c, built "
@@ -65,7 +66,7 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                         "bf16 values (others fp16); fp16 = FBGEMM on weights stored in fp16, float32 only, for "
                         "layers whose weights convert exactly (others packed); packed = oneDNN with weights "
                         "reordered at load, float32, or bfloat16 on CPUs with native bf16; native = nn.Linear; "
-                        "auto = bf16w on CPUs with AVX2 and no AVX-512, else fp16 where it applies, else packed "
+                        "auto = bf16w where it builds, else fp16 where it applies, else packed "
                         "where it applies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches)")

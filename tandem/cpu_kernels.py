@@ -47,9 +47,11 @@ tokens 120 ms against 165; on a 2-core AVX2 EPYC VM without AVX-512,
 1/2/3/4/6 tokens 274/299/363/472/723 ms against 378/437/529/566/780. On
 CPUs with AVX2 and no AVX-512 it is `auto` (bf16w_preferred): there the
 target alone decoded 2.80 tok/s on it against 2.10 on FBGEMM, and pinned
-pipelined Tandem ran faster on it too (bench/RESULTS.md). With AVX-512 it
-stays opt-in: on the Zen 4 VM the target alone decoded 2.5% slower on it,
-and its verify beside a running draft lost its lead (bench/RESULTS.md)."""
+pipelined Tandem ran faster on it too. With AVX-512 it is `auto` too since
+two runs side by side on a Zen 4 VM: the target alone decoded as fast on it
+as on FBGEMM (7.35-7.39 tok/s against 6.97-7.48), and pinned Tandem ran
+6-13% faster on it, its verify of 3+1 tokens 160 ms against 194
+(bench/RESULTS.md)."""
 from __future__ import annotations
 
 import logging
@@ -104,12 +106,12 @@ def fp16_available() -> bool:
 
 
 def bf16w_preferred() -> bool:
-    """Whether `auto` runs float32 layers on tandem/bf16w.c: on CPUs with AVX2
-    and no AVX-512, where it was faster than FBGEMM's fp16 layers at every
-    block size and end to end (the module docstring). On AVX-512 it stays
-    opt-in (it decoded one token 2.5% slower than FBGEMM on a Zen 4 VM)."""
+    """Whether `auto` runs float32 layers on tandem/bf16w.c: wherever it
+    builds (AVX2 + FMA or AVX-512, and a C compiler). Side by side it decoded
+    one token as fast as FBGEMM's fp16 layers or faster, and verified blocks
+    for less, on an AVX2 VM and on a Zen 4 VM (the module docstring)."""
     from tandem import bf16w
-    return bf16w.cpu_capability() == "AVX2" and bf16w.unavailable() is None
+    return bf16w.unavailable() is None
 
 
 def resolve_linear(linear: str, device: str, dtype: str) -> str:

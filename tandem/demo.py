@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="dtype of both models; auto = what a service picks (tandem.cpu_kernels.auto_dtype: "
-                             "bfloat16 on packed layers on a CPU with AMX, else float32 on fp16-weight layers on a CPU "
-                             "with FBGEMM) (default: %(default)s)")
+                             "bfloat16 on packed layers on a CPU with AMX, else float32 on bf16-held or fp16-weight "
+                             "layers) (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per generation (default: %(default)s)")
     parser.add_argument("--pipeline", choices=["on", "off"], default="on", help="pipelined drafting")
     parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",

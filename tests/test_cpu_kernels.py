@@ -106,7 +106,7 @@ def test_config_resolves_dtype_and_kernels():
     assert not ModelConfig("m", dtype="float32", linear="native").packed
     assert ModelConfig("m", dtype="float32").kernel == (
         "bf16w" if cpu_kernels.bf16w_preferred() else "fp16" if cpu_kernels.fp16_available() else "packed")
-    assert cpu_kernels.bf16w_preferred() == (bf16w.cpu_capability() == "AVX2" and bf16w.unavailable() is None)
+    assert cpu_kernels.bf16w_preferred() == (bf16w.unavailable() is None)
     if bf16w.unavailable() is None:
         assert ModelConfig("m", dtype="float32", linear="bf16w").kernel == "bf16w"
     else:
