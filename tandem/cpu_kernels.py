@@ -50,7 +50,7 @@ target alone decoded 2.80 tok/s on it against 2.10 on FBGEMM, and pinned
 pipelined Tandem ran faster on it too. With AVX-512 it is `auto` too since
 two runs side by side on a Zen 4 VM: the target alone decoded as fast on it
 as on FBGEMM (7.35-7.39 tok/s against 6.97-7.48), and pinned Tandem ran
-6-13% faster on it, its verify of 3+1 tokens 160 ms against 194
+6.0-12.8% faster on it, its verify of 3+1 tokens 160 ms against 194
 (bench/RESULTS.md)."""
 from __future__ import annotations
 
