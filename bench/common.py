@@ -80,15 +80,12 @@ def load_hf(path: str, dtype: str, linear: str = "auto", device: str = "cpu"):
 def baselines(dtype: str, extra: str = "", device: str = "cpu", linear: str = "auto") -> list[tuple[str, str]]:
     """The (dtype, linear) configurations to time the target alone in: Tandem's
     own first (the identity reference; `linear` is the target service's
-    --linear), every other that may decode faster on this machine
-    (tandem.cpu_kernels.baseline_configs), then `extra` ('bfloat16,float32/native')."""
+    --linear), every other that may decode faster on this machine, then `extra`
+    ('bfloat16,float32/native'), each set of kernels once
+    (tandem.cpu_kernels.baseline_configs)."""
     from tandem.cpu_kernels import baseline_configs, parse_config
 
-    configs = baseline_configs(device, dtype, linear)
-    for label in extra.split(","):
-        if label and parse_config(label) not in configs:
-            configs.append(parse_config(label))
-    return configs
+    return baseline_configs(device, dtype, linear, [parse_config(label) for label in extra.split(",") if label])
 
 
 def hf_assisted_config(k: int) -> dict:

@@ -88,7 +88,7 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
             if (b >= wide)                                                                                \
                 block(M, 1, LANES, x, K, w + wide * (K / 2) * BLOCK + (b - wide) * (K / 2) * LANES, y, N, \
                       wide * BLOCK + (b - wide) * LANES);                                                 \
-            else if (M <= WIDE_ROWS)                                                               \
+            else if (M <= WIDE_ROWS)                                                                      \
                 block(M, WIDE, BLOCK, x, K, w + b * (K / 2) * BLOCK, y, N, b * BLOCK);                    \
             else                                                                                          \
                 for (int v = 0; v < WIDE; v++)                                                            \

@@ -152,25 +152,28 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
     return "native"
 
 
-def baseline_configs(device: str, dtype: str, linear: str = "auto") -> list[tuple[str, str]]:
+def baseline_configs(device: str, dtype: str, linear: str = "auto",
+                     extra: list[tuple[str, str]] = ()) -> list[tuple[str, str]]:
     """The (dtype, linear) configurations to time the target alone in, for a
     speedup over the fastest of them: the service's own first (the identity
     reference: same weights, same kernels; `linear` is its --linear), then, on
     a CPU, float32 on its fastest layers, on FBGEMM's fp16 layers where auto
     picks others, float32 nn.Linear (MKL's one-row product wins on one-token
     decoding where the service packs) and bf16; on a GPU, bf16. Each set of
-    kernels once. Even without native bf16, a one-token bf16 decode is no slower
+    kernels once, `extra` (asked for by hand) last. Even without native bf16, a one-token bf16 decode is no slower
     than float32 with nn.Linear (372 vs 381 ms on the AVX2 machine above),
     because it reads half the bytes; with it, float32 on fp16 weights still
     decodes twice as fast (auto_dtype)."""
     others = [("float32", "auto"), ("float32", "fp16"), ("float32", "native"), ("bfloat16", "auto")] \
         if device == "cpu" else [("bfloat16", "auto")]
     configs = [(dtype, linear)]
-    for candidate in others:
+    for candidate in [*others, *extra]:
         kernels = {(d, resolve_linear(linear, device, d)) for d, linear in configs}
         try:
             kernel = resolve_linear(candidate[1], device, candidate[0])
-        except ValueError:  # e.g. no FBGEMM in this torch build
+        except ValueError:  # e.g. no FBGEMM in this torch build; one asked for by hand says why
+            if candidate in extra:
+                raise
             continue
         if (candidate[0], kernel) not in kernels:
             configs.append(candidate)

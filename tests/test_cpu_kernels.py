@@ -180,7 +180,7 @@ def test_baselines_include_every_kernel_that_may_decode_faster():
     # on its fastest layers, nn.Linear (it wins on one-token decoding where the
     # service packs) and bf16, each set of kernels once.
     auto = cpu_kernels.resolve_linear("auto", "cpu", "float32")
-    # FBGEMM's fp16 layers where auto runs other kernels (bf16w on an AVX2 CPU)
+    # FBGEMM's fp16 layers where auto runs other kernels (bf16w where it builds)
     fbgemm = [("float32", "fp16")] if auto not in ("fp16", "packed", "native") else []
     assert cpu_kernels.baseline_configs("cpu", "float32") == [
         ("float32", "auto"), *fbgemm, ("float32", "native"), ("bfloat16", "auto")]
@@ -197,6 +197,12 @@ def test_baselines_include_every_kernel_that_may_decode_faster():
     if auto == "bf16w":  # and a service on --linear fp16
         assert cpu_kernels.baseline_configs("cpu", "float32", "fp16") == [
             ("float32", "fp16"), ("float32", "auto"), ("float32", "native"), ("bfloat16", "auto")]
+    # Configurations asked for by hand come last, and only with kernels not timed yet.
+    assert cpu_kernels.baseline_configs("cpu", "float32", extra=[("float32", auto), ("bfloat16", "native")]) == (
+        cpu_kernels.baseline_configs("cpu", "float32")
+        + ([] if cpu_kernels.resolve_linear("auto", "cpu", "bfloat16") == "native" else [("bfloat16", "native")]))
+    with pytest.raises(ValueError, match="fp16 linear layers need"):
+        cpu_kernels.baseline_configs("cuda:0", "bfloat16", extra=[("float32", "fp16")])
 
 
 @pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
