@@ -104,31 +104,47 @@ def hf_generate(model, prompts: dict[str, list[int]], new_tokens: int, assistant
     as hf_assisted_config(k) says), after an untimed warm-up on each prompt, as
     the Tandem modes get."""
     result = ModeResult()
+    hf_warm_up(model, prompts, assistant, k)
+    for name, ids in prompts.items():
+        hf_time(result, model, name, ids, new_tokens, assistant)
+    return finish(result)
+
+
+def hf_warm_up(model, prompts: dict[str, list[int]], assistant=None, k: int = 4) -> None:
+    """Sets the assistant's generation config (hf_assisted_config(k)) and runs
+    every prompt once, untimed: kernels set up per shape, as Tandem's warm-up."""
     if assistant is not None:
         for name, value in hf_assisted_config(k).items():
             setattr(assistant.generation_config, name, value)
-
-    def generate(ids, max_new_tokens):
-        x = torch.tensor([ids], device=model.device)
-        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(x))
-        if assistant is not None:
-            kwargs["assistant_model"] = assistant
-        with torch.inference_mode():
-            return model.generate(x, **kwargs)
-
     for ids in prompts.values():
-        generate(ids, 4)
-    for name, ids in prompts.items():
-        start = time.perf_counter()
-        out = generate(ids, new_tokens)
-        elapsed = time.perf_counter() - start
-        tokens = out[0, len(ids):].tolist()
-        result.outputs[name] = tokens
-        result.tokens += len(tokens)
-        result.seconds += elapsed
-        log.info("%s: %d tokens in %.1fs", name, len(tokens), elapsed)
-    result.prompts = len(prompts)
-    result.tok_s = result.tokens / result.seconds
+        _hf_run(model, ids, 4, assistant)
+
+
+def hf_time(result: ModeResult, model, name: str, ids: list[int], new_tokens: int, assistant=None) -> None:
+    """One prompt through HF generate, timed and added to `result`."""
+    start = time.perf_counter()
+    out = _hf_run(model, ids, new_tokens, assistant)
+    elapsed = time.perf_counter() - start
+    tokens = out[0, len(ids):].tolist()
+    result.outputs[name] = tokens
+    result.tokens += len(tokens)
+    result.seconds += elapsed
+    log.info("%s: %d tokens in %.1fs", name, len(tokens), elapsed)
+
+
+def _hf_run(model, ids: list[int], max_new_tokens: int, assistant=None):
+    x = torch.tensor([ids], device=model.device)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(x))
+    if assistant is not None:
+        kwargs["assistant_model"] = assistant
+    with torch.inference_mode():
+        return model.generate(x, **kwargs)
+
+
+def finish(result: ModeResult) -> ModeResult:
+    """Tokens/s over the prompts added to an HF mode."""
+    result.prompts = len(result.outputs)
+    result.tok_s = result.tokens / result.seconds if result.seconds else 0.0
     return result
 
 
@@ -145,71 +161,100 @@ def tandem_generate(address: str, prompts: dict[str, list[int]], new_tokens: int
     """Greedy generation through the orchestrator, with the request stats folded in."""
     from tandem.client import TandemClient
 
-    result = ModeResult()
-    rounds = rejected = accepted = hits = attempts = 0
-    k_sum = 0.0
-    rounds_per_k: list[int] = []
-    overheads, handovers, verifies, steps = [], [], [], []
-    predrafted, drafted_after = [], []
-    per_position: list[int] = []
-    tried: list[int] = []
+    tally = TandemTally()
     with TandemClient(address, timeout_s=3600) as client:
         for name, ids in prompts.items():
-            start = time.perf_counter()
-            out = client.generate(prompt_ids=ids, max_tokens=new_tokens, **params)
-            elapsed = time.perf_counter() - start
-            s = out.stats
-            result.outputs[name] = out.token_ids
-            result.tokens += len(out.token_ids)
-            result.seconds += elapsed
-            rounds += s.rounds
-            rejected += s.rejected_rounds
-            accepted += s.accepted_tokens
-            hits += s.predraft_hits
-            attempts += s.predraft_attempts
-            k_sum += s.mean_k * s.rounds
-            rounds_per_k.extend([0] * (len(s.rounds_per_k) - len(rounds_per_k)))
-            for k, n in enumerate(s.rounds_per_k):
-                rounds_per_k[k] += n
-            overheads.append(s.overhead_ms_p50)
-            if s.overhead_ms_p50_predrafted:
-                predrafted.append(s.overhead_ms_p50_predrafted)
-            if s.overhead_ms_p50_drafted_after:
-                drafted_after.append(s.overhead_ms_p50_drafted_after)
-            handovers.append(s.handover_ms_p50)
-            if s.verify_ms_p50:
-                verifies.append(s.verify_ms_p50)
-            if s.draft_step_ms_p50:
-                steps.append(s.draft_step_ms_p50)
-            for counts, new in ((per_position, s.accepted_per_position), (tried, s.tried_per_position)):
-                counts.extend([0] * (len(new) - len(counts)))
-                for i, n in enumerate(new):
-                    counts[i] += n
-            log.info("%s: %d tokens in %.1fs, acceptance %.2f", name, len(out.token_ids), elapsed, out.acceptance_rate)
-    result.prompts = len(prompts)
-    result.tok_s = result.tokens / result.seconds
-    result.mean_k = k_sum / rounds if rounds else 0.0
-    # Per-token acceptance: each round is a run of accepted tokens ended by at
-    # most one rejection (Leviathan et al.'s i.i.d. model).
-    alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
-    result.acceptance_rate = alpha
-    # What the rounds committed (accepted + 1 each), as τ predicts; the tokens kept
-    # are fewer where max_tokens cut a prompt's last round.
-    result.tokens_per_round = (accepted + rounds) / rounds if rounds else 0.0
-    result.theory_tokens_per_round = theory_tokens_per_round(alpha, rounds_per_k)
-    result.predraft_hit_rate = hits / attempts if attempts else None
-    result.overhead_ms_per_round_p50 = median(overheads)
-    result.overhead_ms_predrafted_p50 = median(predrafted)
-    result.overhead_ms_drafted_after_p50 = median(drafted_after)
-    result.handover_ms_per_round_p50 = median(handovers)
-    result.verify_ms_p50 = median(verifies)
-    result.draft_step_ms_p50 = median(steps)
-    if result.verify_ms_p50 and rounds:
-        result.ceiling_tok_s = result.tokens_per_round / result.verify_ms_p50 * 1e3
-    result.accepted_per_position = per_position
-    result.tried_per_position = tried
-    result.rounds_per_k = rounds_per_k
-    return result
+            tally.time(client, name, ids, new_tokens, **params)
+    return tally.result()
+
+
+def _add_counts(counts: list[int], new) -> None:
+    counts.extend([0] * (len(new) - len(counts)))
+    for i, n in enumerate(new):
+        counts[i] += n
+
+
+@dataclass
+class TandemTally:
+    """One Tandem mode's prompts, timed one at a time (possibly between other
+    modes' runs), and their request stats folded into a ModeResult."""
+
+    result_: ModeResult = field(default_factory=ModeResult)
+    rounds: int = 0
+    rejected: int = 0
+    accepted: int = 0
+    hits: int = 0
+    attempts: int = 0
+    k_sum: float = 0.0
+    rounds_per_k: list[int] = field(default_factory=list)
+    per_position: list[int] = field(default_factory=list)
+    tried: list[int] = field(default_factory=list)
+    overheads: list[float] = field(default_factory=list)
+    predrafted: list[float] = field(default_factory=list)
+    drafted_after: list[float] = field(default_factory=list)
+    handovers: list[float] = field(default_factory=list)
+    verifies: list[float] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+
+    def time(self, client, name: str, ids: list[int], new_tokens: int, **params) -> None:
+        """One prompt through the orchestrator, greedy, timed and folded in."""
+        start = time.perf_counter()
+        out = client.generate(prompt_ids=ids, max_tokens=new_tokens, **params)
+        elapsed = time.perf_counter() - start
+        s = out.stats
+        r = self.result_
+        r.outputs[name] = out.token_ids
+        r.tokens += len(out.token_ids)
+        r.seconds += elapsed
+        self.rounds += s.rounds
+        self.rejected += s.rejected_rounds
+        self.accepted += s.accepted_tokens
+        self.hits += s.predraft_hits
+        self.attempts += s.predraft_attempts
+        self.k_sum += s.mean_k * s.rounds
+        _add_counts(self.rounds_per_k, s.rounds_per_k)
+        _add_counts(self.per_position, s.accepted_per_position)
+        _add_counts(self.tried, s.tried_per_position)
+        self.overheads.append(s.overhead_ms_p50)
+        if s.overhead_ms_p50_predrafted:
+            self.predrafted.append(s.overhead_ms_p50_predrafted)
+        if s.overhead_ms_p50_drafted_after:
+            self.drafted_after.append(s.overhead_ms_p50_drafted_after)
+        self.handovers.append(s.handover_ms_p50)
+        if s.verify_ms_p50:
+            self.verifies.append(s.verify_ms_p50)
+        if s.draft_step_ms_p50:
+            self.steps.append(s.draft_step_ms_p50)
+        log.info("%s: %d tokens in %.1fs, acceptance %.2f", name, len(out.token_ids), elapsed, out.acceptance_rate)
+
+    def result(self) -> ModeResult:
+        r = self.result_
+        rounds = self.rounds
+        r.prompts = len(r.outputs)
+        r.tok_s = r.tokens / r.seconds if r.seconds else 0.0
+        r.mean_k = self.k_sum / rounds if rounds else 0.0
+        # Per-token acceptance: each round is a run of accepted tokens ended by at
+        # most one rejection (Leviathan et al.'s i.i.d. model).
+        total = self.accepted + self.rejected
+        alpha = self.accepted / total if total else 0.0
+        r.acceptance_rate = alpha
+        # What the rounds committed (accepted + 1 each), as τ predicts; the tokens kept
+        # are fewer where max_tokens cut a prompt's last round.
+        r.tokens_per_round = (self.accepted + rounds) / rounds if rounds else 0.0
+        r.theory_tokens_per_round = theory_tokens_per_round(alpha, self.rounds_per_k)
+        r.predraft_hit_rate = self.hits / self.attempts if self.attempts else None
+        r.overhead_ms_per_round_p50 = median(self.overheads)
+        r.overhead_ms_predrafted_p50 = median(self.predrafted)
+        r.overhead_ms_drafted_after_p50 = median(self.drafted_after)
+        r.handover_ms_per_round_p50 = median(self.handovers)
+        r.verify_ms_p50 = median(self.verifies)
+        r.draft_step_ms_p50 = median(self.steps)
+        if r.verify_ms_p50 and rounds:
+            r.ceiling_tok_s = r.tokens_per_round / r.verify_ms_p50 * 1e3
+        r.accepted_per_position = self.per_position
+        r.tried_per_position = self.tried
+        r.rounds_per_k = self.rounds_per_k
+        return r
 
 
 def cut(ratio: float) -> float:

@@ -9,6 +9,10 @@ With --device cuda both services share the one GPU, each in its own process,
 and the target alone (a) and HF assisted (f) run on it too; (e) and (g), which
 differ from (a) and (d) only in CPU placement, are not run there, and the
 whole-machine ratio is taken with (d).
+The pinned modes run prompt by prompt: each prompt goes through (a) in
+Tandem's own kernels, (b), each (c) and (d) before the next prompt starts, so
+that a machine whose speed drifts over minutes shifts them alike; (e) and (f)
+run just before (g).
 Writes bench/results/nodes.json and nodes.png."""
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (PROMPTS, RESULTS, ModeResult, baselines, count_identical, cut, hf_assisted_config,
-                          hf_generate, load_hf, machine, prompt_ids, resolve_dtype, table, tandem_generate, write)
+from bench.common import (PROMPTS, RESULTS, ModeResult, TandemTally, baselines, count_identical, cut, finish,
+                          hf_assisted_config, hf_generate, hf_time, hf_warm_up, load_hf, machine, prompt_ids,
+                          resolve_dtype, table, tandem_generate, write)
 
 log = logging.getLogger("bench.nodes")
 
@@ -53,6 +58,7 @@ def whole_configs(spec: str) -> list[tuple[bool, int, int]]:
 # against 42 ms); in one full run it was not faster than these (bench/RESULTS.md).
 WHOLE_CONFIGS = "sequential:2,pipelined:1"
 HF_ASSISTED_K = 3  # mode (f)
+MODE_ORDER = "aefbcdg"  # the table's and the JSON's order of modes
 
 
 def target_linear(target_args: str) -> str:
@@ -76,11 +82,11 @@ def best_ceiling(modes: dict[str, ModeResult]) -> tuple[str, float] | tuple[None
     return name, ceilings[name]
 
 
-def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks,
-                 whole: tuple[bool, int, int] | None = None) -> dict[str, ModeResult]:
-    """pinned: modes (b)-(d), each service on its own core (on a GPU: its own
-    process on the one GPU); else (g), unpinned, in the configuration `whole`
-    (pipeline, target threads, draft threads)."""
+def deployment(args, cpus_target, cpus_draft, pinned: bool, whole: tuple[bool, int, int] | None = None):
+    """The three processes, started: pinned, each service on its own core (on
+    a GPU: its own process on the one GPU) for modes (b)-(d); else unpinned
+    for (g), in the configuration `whole` (pipeline, target threads, draft
+    threads). Warmed up on every prompt by the caller."""
     from tandem.launch import Deployment, Service
     from tandem.redis_local import ensure_redis
 
@@ -93,30 +99,81 @@ def tandem_modes(args, prompts, cpus_target, cpus_draft, pinned: bool, fixed_ks,
                     threads=threads[1], cpus=cpus_draft if pinned and not gpu else None)
     orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3",
                     "--k-min", str(args.k_min), "--k-max", str(args.k_max)]
-    results = {}
-    with Deployment(target, draft, orchestrator) as deployment:
+    return Deployment(target, draft, orchestrator)
+
+
+def table_order(item: tuple[str, ModeResult]) -> tuple[int, bool]:
+    """Modes by letter (MODE_ORDER), Tandem's own kernels first among the
+    configurations of the target alone; otherwise as they ran."""
+    name = item[0]
+    return MODE_ORDER.index(name[0]), name not in ("a_target_one_core", "e_target_both_cores")
+
+
+def rotated(items: list, by: int) -> list:
+    """`items` starting at index `by` (mod its length), wrapping around."""
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -> dict[str, ModeResult]:
+    """Modes (a) in Tandem's own configuration (`target`, the identity
+    reference) and (b)-(d), interleaved: each prompt runs through every mode
+    before the next prompt, each prompt starting one mode further along the
+    cycle, so that a machine whose speed drifts over minutes (the VMs in
+    bench/RESULTS.md drift by 10-40%) shifts every mode alike rather than
+    the modes timed last."""
+    from tandem.client import TandemClient
+
+    gpu = args.device != "cpu"
+    cycle = [("a_target_one_core", None), ("b_sequential", dict(pipeline=False, num_draft_tokens=args.sequential_k)),
+             *((f"c_pipelined_k{k}", dict(pipeline=True, num_draft_tokens=k)) for k in fixed_ks),
+             ("d_pipelined_adaptive", dict(pipeline=True))]
+    alone = ModeResult()
+    tallies = {name: TandemTally() for name, params in cycle if params is not None}
+    if not gpu:
+        pin({cores[0]}, 1)
+    hf_warm_up(target, prompts)
+    if not gpu:
+        pin(set(cores), len(cores))  # before the deployment: the orchestrator inherits this process's CPUs
+    with deployment(args, str(cores[0]), str(cores[1]), pinned=True) as running, \
+            TandemClient(running.address, timeout_s=3600) as client:
         # Warm-up: every prompt once, so that no mode pays for first-call costs
         # (kernels set up per shape: each prompt's prefill, the verify lengths).
         # The services' step costs, which the orchestrator learns from every
         # request, start from these rounds.
-        tandem_generate(deployment.address, prompts, 16)
-        if pinned:
-            print("(b) Tandem sequential, two nodes …", flush=True)
-            results["b_sequential"] = tandem_generate(deployment.address, prompts, args.new_tokens,
-                                                      pipeline=False, num_draft_tokens=args.sequential_k)
-            for k in fixed_ks:
-                print(f"(c) Tandem pipelined, k={k} …", flush=True)
-                results[f"c_pipelined_k{k}"] = tandem_generate(deployment.address, prompts, args.new_tokens,
-                                                               pipeline=True, num_draft_tokens=k)
-            print("(d) Tandem pipelined, adaptive k …", flush=True)
-            results["d_pipelined_adaptive"] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=True)
-        else:
-            how = "pipelined" if whole[0] else "sequential"
-            print(f"(g) Tandem on the whole machine, unpinned, {how}, {threads[0]} target / {threads[1]} draft "
-                  "threads, adaptive k …", flush=True)
-            name = f"g_whole_machine_{how}_{threads[0]}t" + (f"_{threads[1]}t" if threads[1] != threads[0] else "")
-            results[name] = tandem_generate(deployment.address, prompts, args.new_tokens, pipeline=whole[0])
-    return results
+        tandem_generate(running.address, prompts, 16)
+        for i, (name, ids) in enumerate(prompts.items()):
+            for mode, params in rotated(cycle, i):
+                print(f"{name}: {MODE_TITLES[mode[0]]}{'' if params is None else _k(params)} …", flush=True)
+                if params is None:  # the bench process, on the target's core while the services idle
+                    if not gpu:
+                        pin({cores[0]}, 1)
+                    hf_time(alone, target, name, ids, args.new_tokens)
+                    if not gpu:
+                        pin(set(cores), len(cores))
+                else:
+                    tallies[mode].time(client, name, ids, args.new_tokens, **params)
+    return {"a_target_one_core": finish(alone), **{name: tally.result() for name, tally in tallies.items()}}
+
+
+def _k(params: dict) -> str:
+    return f", k={params['num_draft_tokens']}" if "num_draft_tokens" in params else ", adaptive k"
+
+
+MODE_TITLES = {"a": "(a) target alone, one node", "b": "(b) Tandem sequential, two nodes",
+               "c": "(c) Tandem pipelined", "d": "(d) Tandem pipelined"}
+
+
+def whole_machine_mode(args, prompts, cores: list[int], whole: tuple[bool, int, int]) -> dict[str, ModeResult]:
+    """Mode (g) in the configuration `whole`: Tandem unpinned, adaptive k."""
+    how = "pipelined" if whole[0] else "sequential"
+    target_threads, draft_threads = whole[1:]
+    print(f"(g) Tandem on the whole machine, unpinned, {how}, {target_threads} target / {draft_threads} draft "
+          "threads, adaptive k …", flush=True)
+    name = f"g_whole_machine_{how}_{target_threads}t" + (f"_{draft_threads}t" if draft_threads != target_threads else "")
+    with deployment(args, str(cores[0]), str(cores[1]), pinned=False, whole=whole) as running:
+        tandem_generate(running.address, prompts, 16)
+        return {name: tandem_generate(running.address, prompts, args.new_tokens, pipeline=whole[0])}
 
 
 def plot(path: Path, modes: dict[str, ModeResult], per_position: list[int], tried: list[int]) -> None:
@@ -195,7 +252,6 @@ def main(argv=None) -> int:
     if len(cores) < 2:
         print("bench-nodes needs two cores", file=sys.stderr)
         return 2
-    core_t, core_d = str(cores[0]), str(cores[1])
     where = "on the GPU" if gpu else "one pinned core"
 
     from transformers import AutoTokenizer
@@ -209,13 +265,16 @@ def main(argv=None) -> int:
     # The baselines run in Tandem's configuration (the identity reference: same
     # weights, same kernels) and in every other that may decode faster here
     # (bench.common.baselines): the speedups are taken over the fastest target
-    # alone, never a slower one.
+    # alone, never a slower one. The others first, one model at a time; then
+    # Tandem's own, timed between the pinned Tandem modes prompt by prompt
+    # (pinned_modes); then (e) in it and (f) just before (g), whose ratio to
+    # (f) is a goal.
     from tandem.cpu_kernels import config_label
 
     configs = baselines(args.dtype, args.baselines, args.device, target_linear(args.target_args))
-    for i, (dtype, linear) in enumerate(configs):
+    for dtype, linear in configs[1:]:
         label = config_label(dtype, linear)
-        suffix = "" if i == 0 else "_" + label.replace("/", "_")
+        suffix = "_" + label.replace("/", "_")
         target = load_hf(target_path, dtype, linear, args.device)
         if not gpu:
             pin({cores[0]}, 1)
@@ -226,22 +285,30 @@ def main(argv=None) -> int:
         if "e" not in skip:
             print(f"(e) target alone, both cores, {label} …", flush=True)
             modes["e_target_both_cores" + suffix] = hf_generate(target, prompts, args.new_tokens)
-        if "f" not in skip and i == 0:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
-            print(f"(f) HF assisted in-process, {'on the GPU' if gpu else 'both cores'}, {label} …", flush=True)
-            draft = load_hf(draft_path, dtype, linear, args.device)
-            modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft,
-                                                            k=HF_ASSISTED_K)
-            del draft
         del target
         gc.collect()
-    os.sched_setaffinity(0, set(cores))
-    reference = modes["a_target_one_core"]
 
+    label = config_label(*configs[0])
+    target = load_hf(target_path, *configs[0], args.device)
+    print(f"(a)-(d), prompt by prompt: (a) target alone, {where}, {label}; Tandem on the two nodes", flush=True)
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k]
-    modes.update(tandem_modes(args, prompts, core_t, core_d, pinned=True, fixed_ks=fixed_ks))
+    modes.update(pinned_modes(args, prompts, target, cores, fixed_ks))
+    reference = modes["a_target_one_core"]
+    if "e" not in skip:
+        print(f"(e) target alone, both cores, {label} …", flush=True)
+        modes["e_target_both_cores"] = hf_generate(target, prompts, args.new_tokens)
+    if "f" not in skip:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
+        print(f"(f) HF assisted in-process, {'on the GPU' if gpu else 'both cores'}, {label} …", flush=True)
+        draft = load_hf(draft_path, *configs[0], args.device)
+        modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft,
+                                                        k=HF_ASSISTED_K)
+        del draft
+    del target
+    gc.collect()
     if "g" not in skip:
         for whole in args.whole_configs:
-            modes.update(tandem_modes(args, prompts, core_t, core_d, pinned=False, fixed_ks=[], whole=whole))
+            modes.update(whole_machine_mode(args, prompts, cores, whole))
+    modes = dict(sorted(modes.items(), key=table_order))
     for result in modes.values():
         result.identical = count_identical(result, reference)
 

@@ -1,0 +1,55 @@
+"""make bench-nodes end to end on tiny models: every mode runs, through real
+service processes, and every mode's greedy tokens equal the target alone's."""
+import json
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from tests.conftest import TINY_VOCAB, build_tiny_model
+
+
+def save_char_tokenizer(path) -> None:
+    """One token per ASCII character (ids 0-127, the tiny models' vocabulary),
+    with a chat template: enough for the benchmark's prompts."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({chr(i): i for i in range(TINY_VOCAB)}, unk_token="?"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="?", pad_token=chr(0))
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def char_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    dirs = {"target": build_tiny_model(root / "target", seed=0), "draft": build_tiny_model(root / "draft", seed=1)}
+    for path in dirs.values():
+        save_char_tokenizer(path)
+    return dirs
+
+
+def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_models, tmp_path):
+    from bench.nodes import main
+
+    out = tmp_path / "nodes.json"
+    code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--prompts", "code-1,prose-1", "--new-tokens", "12", "--fixed-ks", "2",
+                 "--whole-configs", "sequential:1", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    modes = result["modes"]
+    assert {"a_target_one_core", "b_sequential", "c_pipelined_k2", "d_pipelined_adaptive", "e_target_both_cores",
+            "f_hf_assisted_both_cores", "g_whole_machine_sequential_1t"} <= set(modes)
+    assert list(modes)[0] == "a_target_one_core"  # the table's order: (a) first, Tandem's own kernels leading
+    for name, mode in modes.items():
+        assert mode["prompts"] == 2 and mode["tokens"] == 24, name
+        assert mode["identical"] == 2, name  # greedy, float32: every mode's tokens are the target alone's
+        assert mode["tok_s"] > 0, name
+    for key in ("speedup_pipelined_vs_target_one_node", "speedup_pipelined_vs_sequential",
+                "speedup_whole_machine_vs_hf_assisted"):
+        assert result[key] > 0, key
+    assert modes["d_pipelined_adaptive"]["tried_per_position"], "the adaptive mode's per-position counts"
+    assert out.with_suffix(".png").stat().st_size > 0
