@@ -20,6 +20,7 @@
 #define LANES 16
 #define WIDE 4 /* vectors in a main block: 64 columns */
 #define WIDE_ROWS 8 /* rows of x a pass over a main block takes whole */
+#define ONE_VECTOR_ROWS 9 /* never: with 32 registers every vector's widened weights stay live */
 typedef __m512 vec;
 typedef __m512i ivec;
 #define VZERO() _mm512_setzero_ps()
@@ -31,8 +32,15 @@ typedef __m512i ivec;
 #define ODD(pair) _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)))
 #else
 #define LANES 8
-#define WIDE 2 /* 16 registers: 4 rows × 2 accumulators + the weights fit */
-#define WIDE_ROWS 4
+#define WIDE 2
+/* 16 registers: 6 rows × 2 accumulators, one vector's weights and a broadcast
+   fit when a pair's weights are widened one vector at a time. With 4 rows a
+   pass (as before 2026-11-26) a verify of 5 or 6 tokens took two passes of 5
+   or 6 accumulators, each FMA waiting on the one before it: all the default
+   target's linear layers took 447 / 436 ms for 5 / 6 rows against 275-283
+   for 1-4, one thread on a Zen 3 VM. */
+#define WIDE_ROWS 6
+#define ONE_VECTOR_ROWS 5 /* from 5 rows on; fewer run faster with all the weights widened first */
 typedef __m256 vec;
 typedef __m256i ivec;
 #define VZERO() _mm256_setzero_ps()
@@ -56,6 +64,20 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[m][v] = VZERO();
     for (int64_t p = 0; p < K / 2; p++) {
         const uint32_t *wk = w + p * stride;
+        if (M >= ONE_VECTOR_ROWS && vecs == WIDE) { /* the same FMAs in the same order for each accumulator */
+            _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
+                if (v * LANES * 4 % 64 == 0)
+                    _mm_prefetch((const char *)(wk + v * LANES) + PREFETCH_BYTES, _MM_HINT_T0);
+                const ivec pair = ILOAD(wk + v * LANES);
+                const vec even = EVEN(pair);
+                _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)
+                    acc[m][v] = VFMA(VSET1(x[m * K + 2 * p]), even, acc[m][v]);
+                const vec odd = ODD(pair);
+                _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)
+                    acc[m][v] = VFMA(VSET1(x[m * K + 2 * p + 1]), odd, acc[m][v]);
+            }
+            continue;
+        }
         vec even[WIDE], odd[WIDE];
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
             if (v * LANES * 4 % 64 == 0) /* one prefetch a cache line */
@@ -77,7 +99,7 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
 }
 
 /* Blocks [b0, b1) of the layer: the first N / BLOCK are BLOCK wide, the rest LANES.
-   Above WIDE_ROWS rows (AVX2: 4) the accumulators do not fit the registers
+   Above WIDE_ROWS rows (AVX2: 6) the accumulators do not fit the registers
    beside a block's weights: a main block then takes a pass of one vector per
    vector, each after the first over a block already in cache. */
 #define BLOCKS(M)                                                                                         \
