@@ -179,7 +179,7 @@ class TandemTally:
     """One Tandem mode's prompts, timed one at a time (possibly between other
     modes' runs), and their request stats folded into a ModeResult."""
 
-    result_: ModeResult = field(default_factory=ModeResult)
+    totals: ModeResult = field(default_factory=ModeResult)
     rounds: int = 0
     rejected: int = 0
     accepted: int = 0
@@ -202,7 +202,7 @@ class TandemTally:
         out = client.generate(prompt_ids=ids, max_tokens=new_tokens, **params)
         elapsed = time.perf_counter() - start
         s = out.stats
-        r = self.result_
+        r = self.totals
         r.outputs[name] = out.token_ids
         r.tokens += len(out.token_ids)
         r.seconds += elapsed
@@ -228,7 +228,7 @@ class TandemTally:
         log.info("%s: %d tokens in %.1fs, acceptance %.2f", name, len(out.token_ids), elapsed, out.acceptance_rate)
 
     def result(self) -> ModeResult:
-        r = self.result_
+        r = self.totals
         rounds = self.rounds
         r.prompts = len(r.outputs)
         r.tok_s = r.tokens / r.seconds if r.seconds else 0.0

@@ -144,7 +144,7 @@ def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -
         tandem_generate(running.address, prompts, 16)
         for i, (name, ids) in enumerate(prompts.items()):
             for mode, params in rotated(cycle, i):
-                print(f"{name}: {MODE_TITLES[mode[0]]}{'' if params is None else _k(params)} …", flush=True)
+                print(f"{name}: {MODE_TITLES[mode[0]]}{'' if params is None else _k_label(params)} …", flush=True)
                 if params is None:  # the bench process, on the target's core while the services idle
                     if not gpu:
                         pin({cores[0]}, 1)
@@ -156,7 +156,7 @@ def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -
     return {"a_target_one_core": finish(alone), **{name: tally.result() for name, tally in tallies.items()}}
 
 
-def _k(params: dict) -> str:
+def _k_label(params: dict) -> str:
     return f", k={params['num_draft_tokens']}" if "num_draft_tokens" in params else ", adaptive k"
 
 
