@@ -17,6 +17,7 @@ Writes bench/results/nodes.json and nodes.png."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -35,6 +36,19 @@ log = logging.getLogger("bench.nodes")
 def pin(cpus: set[int], threads: int) -> None:
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def on_one_core(cores: list[int], gpu: bool):
+    """This process on the first core with one torch thread (the target's
+    node), then back on all `cores`; on a GPU, where nothing is pinned, as is."""
+    if not gpu:
+        pin({cores[0]}, 1)
+    try:
+        yield
+    finally:
+        if not gpu:
+            pin(set(cores), len(cores))
 
 
 def whole_configs(spec: str) -> list[tuple[bool, int, int]]:
@@ -130,11 +144,8 @@ def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -
              ("d_pipelined_adaptive", dict(pipeline=True))]
     alone = ModeResult()
     tallies = {name: TandemTally() for name, params in cycle if params is not None}
-    if not gpu:
-        pin({cores[0]}, 1)
-    hf_warm_up(target, prompts)
-    if not gpu:
-        pin(set(cores), len(cores))  # before the deployment: the orchestrator inherits this process's CPUs
+    with on_one_core(cores, gpu):  # left before the deployment: the orchestrator inherits this process's CPUs
+        hf_warm_up(target, prompts)
     with deployment(args, str(cores[0]), str(cores[1]), pinned=True) as running, \
             TandemClient(running.address, timeout_s=3600) as client:
         # Warm-up: every prompt once, so that no mode pays for first-call costs
@@ -146,11 +157,8 @@ def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -
             for mode, params in rotated(cycle, i):
                 print(f"{name}: {MODE_TITLES[mode[0]]}{'' if params is None else _k_label(params)} …", flush=True)
                 if params is None:  # the bench process, on the target's core while the services idle
-                    if not gpu:
-                        pin({cores[0]}, 1)
-                    hf_time(alone, target, name, ids, args.new_tokens)
-                    if not gpu:
-                        pin(set(cores), len(cores))
+                    with on_one_core(cores, gpu):
+                        hf_time(alone, target, name, ids, args.new_tokens)
                 else:
                     tallies[mode].time(client, name, ids, args.new_tokens, **params)
     return {"a_target_one_core": finish(alone), **{name: tally.result() for name, tally in tallies.items()}}
@@ -276,12 +284,9 @@ def main(argv=None) -> int:
         label = config_label(dtype, linear)
         suffix = "_" + label.replace("/", "_")
         target = load_hf(target_path, dtype, linear, args.device)
-        if not gpu:
-            pin({cores[0]}, 1)
         print(f"(a) target alone, {where}, {label} …", flush=True)
-        modes["a_target_one_core" + suffix] = hf_generate(target, prompts, args.new_tokens)
-        if not gpu:
-            pin(set(cores), len(cores))
+        with on_one_core(cores, gpu):
+            modes["a_target_one_core" + suffix] = hf_generate(target, prompts, args.new_tokens)
         if "e" not in skip:
             print(f"(e) target alone, both cores, {label} …", flush=True)
             modes["e_target_both_cores" + suffix] = hf_generate(target, prompts, args.new_tokens)
