@@ -11,8 +11,8 @@ differ from (a) and (d) only in CPU placement, are not run there, and the
 whole-machine ratio is taken with (d).
 The pinned modes run prompt by prompt: each prompt goes through (a) in
 Tandem's own kernels, (b), each (c) and (d) before the next prompt starts, so
-that a machine whose speed drifts over minutes shifts them alike; (e) and (f)
-run just before (g).
+that a machine whose speed drifts over minutes shifts them alike. Then (e),
+(f) and each configuration of (g) run the same way, prompt by prompt.
 Writes bench/results/nodes.json and nodes.png."""
 from __future__ import annotations
 
@@ -172,16 +172,66 @@ MODE_TITLES = {"a": "(a) target alone, one node", "b": "(b) Tandem sequential, t
                "c": "(c) Tandem pipelined", "d": "(d) Tandem pipelined"}
 
 
-def whole_machine_mode(args, prompts, cores: list[int], whole: tuple[bool, int, int]) -> dict[str, ModeResult]:
-    """Mode (g) in the configuration `whole`: Tandem unpinned, adaptive k."""
+def whole_name(whole: tuple[bool, int, int]) -> str:
+    """The mode name of (g) in the configuration `whole` (pipeline, target threads, draft threads)."""
     how = "pipelined" if whole[0] else "sequential"
     target_threads, draft_threads = whole[1:]
-    print(f"(g) Tandem on the whole machine, unpinned, {how}, {target_threads} target / {draft_threads} draft "
-          "threads, adaptive k …", flush=True)
-    name = f"g_whole_machine_{how}_{target_threads}t" + (f"_{draft_threads}t" if draft_threads != target_threads else "")
-    with deployment(args, str(cores[0]), str(cores[1]), pinned=False, whole=whole) as running:
-        tandem_generate(running.address, prompts, 16)
-        return {name: tandem_generate(running.address, prompts, args.new_tokens, pipeline=whole[0])}
+    return f"g_whole_machine_{how}_{target_threads}t" + (f"_{draft_threads}t" if draft_threads != target_threads else "")
+
+
+def whole_title(whole: tuple[bool, int, int]) -> str:
+    how = "pipelined" if whole[0] else "sequential"
+    return f"(g) Tandem on the whole machine, unpinned, {how}, {whole[1]} target / {whole[2]} draft threads, adaptive k"
+
+
+def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: str, cores: list[int],
+                   skip: set[str]) -> dict[str, ModeResult]:
+    """Modes (e) (the target alone in Tandem's configuration `config`, loaded as
+    `target`), (f) (HF assisted: `target` with the draft in `config`) and (g)
+    in each of args.whole_configs, interleaved prompt by prompt as
+    pinned_modes does: on these VMs the two cores' shared memory bandwidth
+    changes within seconds (the hypervisor moves the vCPUs; bench/RESULTS.md),
+    and (g)/(f) is a goal. Every (g) deployment is up for the whole cycle."""
+    from tandem.client import TandemClient
+
+    gpu = args.device != "cpu"
+    titles = {"e_target_both_cores": "(e) target alone, both cores",
+              "f_hf_assisted_both_cores": f"(f) HF assisted in-process, {'on the GPU' if gpu else 'both cores'}"}
+    cycle = []
+    if "e" not in skip:
+        cycle.append(("e_target_both_cores", None))
+    draft = None
+    if "f" not in skip:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
+        draft = load_hf(draft_path, *config, args.device)
+        cycle.append(("f_hf_assisted_both_cores", draft))
+    wholes = [] if "g" in skip else list(args.whole_configs)
+    if not cycle and not wholes:
+        return {}
+    hf = {name: ModeResult() for name, _ in cycle}
+    tallies = {whole_name(whole): TandemTally() for whole in wholes}
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for whole in wholes:
+            running = stack.enter_context(deployment(args, str(cores[0]), str(cores[1]), pinned=False, whole=whole))
+            clients[whole_name(whole)] = (stack.enter_context(TandemClient(running.address, timeout_s=3600)),
+                                          dict(pipeline=whole[0]))
+            titles[whole_name(whole)] = whole_title(whole)
+            tandem_generate(running.address, prompts, 16)
+        if "e" not in skip:
+            hf_warm_up(target, prompts)
+        if draft is not None:
+            hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
+        cycle += [(name, None) for name in clients]
+        for i, (name, ids) in enumerate(prompts.items()):
+            for mode, assistant in rotated(cycle, i):
+                print(f"{name}: {titles[mode]} …", flush=True)
+                if mode in hf:
+                    hf_time(hf[mode], target, name, ids, args.new_tokens, assistant)
+                else:
+                    client, params = clients[mode]
+                    tallies[mode].time(client, name, ids, args.new_tokens, **params)
+    return {**{name: finish(result) for name, result in hf.items()},
+            **{name: tally.result() for name, tally in tallies.items()}}
 
 
 def plot(path: Path, modes: dict[str, ModeResult], per_position: list[int], tried: list[int]) -> None:
@@ -275,8 +325,8 @@ def main(argv=None) -> int:
     # (bench.common.baselines): the speedups are taken over the fastest target
     # alone, never a slower one. The others first, one model at a time; then
     # Tandem's own, timed between the pinned Tandem modes prompt by prompt
-    # (pinned_modes); then (e) in it and (f) just before (g), whose ratio to
-    # (f) is a goal.
+    # (pinned_modes); then (e) in it, (f) and (g), whose ratio to (f) is a
+    # goal, prompt by prompt too (unpinned_modes).
     from tandem.cpu_kernels import config_label
 
     configs = baselines(args.dtype, args.baselines, args.device, target_linear(args.target_args))
@@ -299,20 +349,11 @@ def main(argv=None) -> int:
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k]
     modes.update(pinned_modes(args, prompts, target, cores, fixed_ks))
     reference = modes["a_target_one_core"]
-    if "e" not in skip:
-        print(f"(e) target alone, both cores, {label} …", flush=True)
-        modes["e_target_both_cores"] = hf_generate(target, prompts, args.new_tokens)
-    if "f" not in skip:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
-        print(f"(f) HF assisted in-process, {'on the GPU' if gpu else 'both cores'}, {label} …", flush=True)
-        draft = load_hf(draft_path, *configs[0], args.device)
-        modes["f_hf_assisted_both_cores"] = hf_generate(target, prompts, args.new_tokens, assistant=draft,
-                                                        k=HF_ASSISTED_K)
-        del draft
+    print(f"(e)-(g), prompt by prompt: (e) target alone, both cores, {label}; (f) HF assisted, {label}; "
+          "(g) Tandem unpinned", flush=True)
+    modes.update(unpinned_modes(args, prompts, target, configs[0], draft_path, cores, skip))
     del target
     gc.collect()
-    if "g" not in skip:
-        for whole in args.whole_configs:
-            modes.update(whole_machine_mode(args, prompts, cores, whole))
     modes = dict(sorted(modes.items(), key=table_order))
     for result in modes.values():
         result.identical = count_identical(result, reference)

@@ -37,12 +37,12 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
     out = tmp_path / "nodes.json"
     code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
                  "--prompts", "code-1,prose-1", "--new-tokens", "12", "--fixed-ks", "2",
-                 "--whole-configs", "sequential:1", "--out", str(out)])
+                 "--whole-configs", "sequential:1,pipelined:1", "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     modes = result["modes"]
     assert {"a_target_one_core", "b_sequential", "c_pipelined_k2", "d_pipelined_adaptive", "e_target_both_cores",
-            "f_hf_assisted_both_cores", "g_whole_machine_sequential_1t"} <= set(modes)
+            "f_hf_assisted_both_cores", "g_whole_machine_sequential_1t", "g_whole_machine_pipelined_1t"} <= set(modes)
     assert list(modes)[0] == "a_target_one_core"  # the table's order: (a) first, Tandem's own kernels leading
     for name, mode in modes.items():
         assert mode["prompts"] == 2 and mode["tokens"] == 24, name
