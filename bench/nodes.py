@@ -12,7 +12,8 @@ whole-machine ratio is taken with (d).
 The pinned modes run prompt by prompt: each prompt goes through (a) in
 Tandem's own kernels, (b), each (c) and (d) before the next prompt starts, so
 that a machine whose speed drifts over minutes shifts them alike. Then (e),
-(f) and each configuration of (g) run the same way, prompt by prompt.
+(f) and (g) run the same way, one configuration of (g) at a time with (f)
+beside each.
 Writes bench/results/nodes.json and nodes.png."""
 from __future__ import annotations
 
@@ -189,47 +190,49 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
     """Modes (e) (the target alone in Tandem's configuration `config`, loaded as
     `target`), (f) (HF assisted: `target` with the draft in `config`) and (g)
     in each of args.whole_configs, interleaved prompt by prompt as
-    pinned_modes does: on these VMs the two cores' shared memory bandwidth
-    changes within seconds (the hypervisor moves the vCPUs; bench/RESULTS.md),
-    and (g)/(f) is a goal. Every (g) deployment is up for the whole cycle."""
+    pinned_modes does: on these VMs the bandwidth the two cores share changes
+    within seconds (bench/RESULTS.md), and (g)/(f) is a goal.
+
+    One (g) deployment is up at a time (two beside the bench's own models
+    would need more than 24 GiB while a target loads), so the prompts go round
+    once per configuration of (g): (f) runs beside every configuration and its
+    tokens/s is over all of its passes; (e) runs in the first pass only."""
     from tandem.client import TandemClient
 
     gpu = args.device != "cpu"
     titles = {"e_target_both_cores": "(e) target alone, both cores",
               "f_hf_assisted_both_cores": f"(f) HF assisted in-process, {'on the GPU' if gpu else 'both cores'}"}
-    cycle = []
-    if "e" not in skip:
-        cycle.append(("e_target_both_cores", None))
     draft = None
     if "f" not in skip:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
         draft = load_hf(draft_path, *config, args.device)
-        cycle.append(("f_hf_assisted_both_cores", draft))
-    wholes = [] if "g" in skip else list(args.whole_configs)
-    if not cycle and not wholes:
-        return {}
-    hf = {name: ModeResult() for name, _ in cycle}
-    tallies = {whole_name(whole): TandemTally() for whole in wholes}
-    with contextlib.ExitStack() as stack:
-        clients = {}
-        for whole in wholes:
-            running = stack.enter_context(deployment(args, str(cores[0]), str(cores[1]), pinned=False, whole=whole))
-            clients[whole_name(whole)] = (stack.enter_context(TandemClient(running.address, timeout_s=3600)),
-                                          dict(pipeline=whole[0]))
-            titles[whole_name(whole)] = whole_title(whole)
-            tandem_generate(running.address, prompts, 16)
-        if "e" not in skip:
-            hf_warm_up(target, prompts)
-        if draft is not None:
-            hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
-        cycle += [(name, None) for name in clients]
-        for i, (name, ids) in enumerate(prompts.items()):
-            for mode, assistant in rotated(cycle, i):
-                print(f"{name}: {titles[mode]} …", flush=True)
-                if mode in hf:
-                    hf_time(hf[mode], target, name, ids, args.new_tokens, assistant)
-                else:
-                    client, params = clients[mode]
-                    tallies[mode].time(client, name, ids, args.new_tokens, **params)
+        hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
+    if "e" not in skip:
+        hf_warm_up(target, prompts)
+    hf = {name: ModeResult() for name, wanted in (("e_target_both_cores", "e"), ("f_hf_assisted_both_cores", "f"))
+          if wanted not in skip}
+    tallies: dict[str, TandemTally] = {}
+    passes = [None] if "g" in skip else list(args.whole_configs)
+    for n, whole in enumerate(passes):
+        cycle = [(name, draft if name.startswith("f") else None) for name in hf if n == 0 or name.startswith("f")]
+        with contextlib.ExitStack() as stack:
+            client = None
+            if whole is not None:
+                name = whole_name(whole)
+                running = stack.enter_context(deployment(args, str(cores[0]), str(cores[1]), pinned=False,
+                                                         whole=whole))
+                client = stack.enter_context(TandemClient(running.address, timeout_s=3600))
+                tandem_generate(running.address, prompts, 16)
+                tallies[name], titles[name] = TandemTally(), whole_title(whole)
+                cycle.append((name, None))
+            if not cycle:
+                continue
+            for i, (prompt, ids) in enumerate(prompts.items()):
+                for mode, assistant in rotated(cycle, i + n):
+                    print(f"{prompt}: {titles[mode]} …", flush=True)
+                    if mode in hf:
+                        hf_time(hf[mode], target, prompt, ids, args.new_tokens, assistant)
+                    else:
+                        tallies[mode].time(client, prompt, ids, args.new_tokens, pipeline=whole[0])
     return {**{name: finish(result) for name, result in hf.items()},
             **{name: tally.result() for name, tally in tallies.items()}}
 
