@@ -196,26 +196,22 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
     One (g) deployment is up at a time (two beside the bench's own models
     would need more than 24 GiB while a target loads), so the prompts go round
     once per configuration of (g): (f) runs beside every configuration and its
-    tokens/s is over all of its passes; (e) runs in the first pass only."""
+    tokens/s is over all of its passes; (e) runs in the first pass only. The
+    draft of (f) is loaded anew in each pass, after the services."""
     from tandem.client import TandemClient
 
     gpu = args.device != "cpu"
     titles = {"e_target_both_cores": "(e) target alone, both cores",
               "f_hf_assisted_both_cores": f"(f) HF assisted in-process, {'on the GPU' if gpu else 'both cores'}"}
     draft = None
-    if "f" not in skip:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
-        draft = load_hf(draft_path, *config, args.device)
-        hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
-    if "e" not in skip:
-        hf_warm_up(target, prompts)
     hf = {name: ModeResult() for name, wanted in (("e_target_both_cores", "e"), ("f_hf_assisted_both_cores", "f"))
           if wanted not in skip}
     tallies: dict[str, TandemTally] = {}
     passes = [None] if "g" in skip else list(args.whole_configs)
     for n, whole in enumerate(passes):
-        cycle = [(name, draft if name.startswith("f") else None) for name in hf if n == 0 or name.startswith("f")]
         with contextlib.ExitStack() as stack:
             client = None
+            cycle = []
             if whole is not None:
                 name = whole_name(whole)
                 running = stack.enter_context(deployment(args, str(cores[0]), str(cores[1]), pinned=False,
@@ -224,6 +220,16 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
                 tandem_generate(running.address, prompts, 16)
                 tallies[name], titles[name] = TandemTally(), whole_title(whole)
                 cycle.append((name, None))
+            # The draft loads after the services and goes before the next pass's: a
+            # target service's load peaks near 10 GB, which with the bench's own
+            # target and this draft beside the draft service's load overran 24 GiB.
+            if "f" in hf:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
+                draft = load_hf(draft_path, *config, args.device)
+                hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
+            if n == 0 and "e" in hf:
+                hf_warm_up(target, prompts)
+            cycle = [(name, draft if name.startswith("f") else None) for name in hf
+                     if n == 0 or name.startswith("f")] + cycle
             if not cycle:
                 continue
             for i, (prompt, ids) in enumerate(prompts.items()):
@@ -233,6 +239,8 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
                         hf_time(hf[mode], target, prompt, ids, args.new_tokens, assistant)
                     else:
                         tallies[mode].time(client, prompt, ids, args.new_tokens, pipeline=whole[0])
+        draft = cycle = assistant = None  # every reference to the draft: it goes before the next services load
+        gc.collect()
     return {**{name: finish(result) for name, result in hf.items()},
             **{name: tally.result() for name, tally in tallies.items()}}
 
