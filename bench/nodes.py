@@ -223,10 +223,10 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
             # The draft loads after the services and goes before the next pass's: a
             # target service's load peaks near 10 GB, which with the bench's own
             # target and this draft beside the draft service's load overran 24 GiB.
-            if "f" in hf:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
+            if "f" not in skip:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
                 draft = load_hf(draft_path, *config, args.device)
                 hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
-            if n == 0 and "e" in hf:
+            if n == 0 and "e" not in skip:
                 hf_warm_up(target, prompts)
             cycle = [(name, draft if name.startswith("f") else None) for name in hf
                      if n == 0 or name.startswith("f")] + cycle

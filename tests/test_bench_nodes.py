@@ -31,8 +31,14 @@ def char_models(tmp_path_factory):
     return dirs
 
 
-def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_models, tmp_path):
+def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_models, tmp_path, monkeypatch):
+    import bench.common
     from bench.nodes import main
+
+    runs = []  # (assisted?, max_new_tokens) of every HF generate the benchmark makes
+    real_run = bench.common._hf_run
+    monkeypatch.setattr(bench.common, "_hf_run", lambda model, ids, max_new_tokens, assistant=None: (
+        runs.append((assistant is not None, max_new_tokens)), real_run(model, ids, max_new_tokens, assistant))[1])
 
     out = tmp_path / "nodes.json"
     code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
@@ -54,3 +60,5 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
         assert result[key] > 0, key
     assert modes["d_pipelined_adaptive"]["tried_per_position"], "the adaptive mode's per-position counts"
     assert out.with_suffix(".png").stat().st_size > 0
+    # (f) is HF assisted: its 2 prompts, timed beside each of the 2 (g) configurations, ran with the draft
+    assert runs.count((True, 12)) == 4
