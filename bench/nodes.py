@@ -213,13 +213,13 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
             client = None
             cycle = []
             if whole is not None:
-                name = whole_name(whole)
+                g_mode = whole_name(whole)
                 running = stack.enter_context(deployment(args, str(cores[0]), str(cores[1]), pinned=False,
                                                          whole=whole))
                 client = stack.enter_context(TandemClient(running.address, timeout_s=3600))
                 tandem_generate(running.address, prompts, 16)
-                tallies[name], titles[name] = TandemTally(), whole_title(whole)
-                cycle.append((name, None))
+                tallies[g_mode], titles[g_mode] = TandemTally(), whole_title(whole)
+                cycle.append((g_mode, None))
             # The draft loads after the services and goes before the next pass's: a
             # target service's load peaks near 10 GB, which with the bench's own
             # target and this draft beside the draft service's load overran 24 GiB.
@@ -228,8 +228,8 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
                 hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
             if n == 0 and "e" not in skip:
                 hf_warm_up(target, prompts)
-            cycle = [(name, draft if name.startswith("f") else None) for name in hf
-                     if n == 0 or name.startswith("f")] + cycle
+            cycle = [(mode, draft if mode.startswith("f") else None) for mode in hf
+                     if n == 0 or mode.startswith("f")] + cycle
             if not cycle:
                 continue
             for i, (prompt, ids) in enumerate(prompts.items()):

@@ -198,10 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args) -> None:
     from tandem import serving, telemetry
     from tandem.launch import die_with_parent
-
-    die_with_parent()
     from tandem.model_service import CacheConfig
     from tandem.modeling import ModelConfig
+
+    die_with_parent()
 
     address = f"{args.host}:{args.port}"
     try:

@@ -25,12 +25,16 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited; only its parent (init) has yet to reap it
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited; only its parent (init) has yet to reap it
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped in between
+        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_launched_service_ends_when_its_launcher_is_killed(tiny_models, tmp_path):
+    service_pid = None
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, tiny_models["target"], str(tmp_path)],
                                 stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
@@ -44,7 +48,5 @@ def test_a_launched_service_ends_when_its_launcher_is_killed(tiny_models, tmp_pa
         assert not alive(service_pid), "the service outlived its launcher"
     finally:
         launcher.kill()
-        try:
+        if service_pid is not None and alive(service_pid):
             os.kill(service_pid, signal.SIGKILL)
-        except (ProcessLookupError, UnboundLocalError):
-            pass
