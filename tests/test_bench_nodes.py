@@ -37,8 +37,12 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
 
     runs = []  # (assisted?, max_new_tokens) of every HF generate the benchmark makes
     real_run = bench.common._hf_run
-    monkeypatch.setattr(bench.common, "_hf_run", lambda model, ids, max_new_tokens, assistant=None: (
-        runs.append((assistant is not None, max_new_tokens)), real_run(model, ids, max_new_tokens, assistant))[1])
+
+    def recorded_run(model, ids, max_new_tokens, assistant=None):
+        runs.append((assistant is not None, max_new_tokens))
+        return real_run(model, ids, max_new_tokens, assistant)
+
+    monkeypatch.setattr(bench.common, "_hf_run", recorded_run)
 
     out = tmp_path / "nodes.json"
     code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
