@@ -1,12 +1,14 @@
 """The draft's lean forward (draft_service/lean.py) computes what Hugging Face's
 forward computes, on its own preallocated cache, and falls back where it cannot."""
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM)
 
+from draft_service.cheap import Int4Linear, quantize_int4
 from draft_service.drafters import ModelDrafter
 from draft_service.lean import LeanRunner, StaticKV, lean_runner, unsupported
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
@@ -55,6 +57,28 @@ def test_lean_forward_equals_hugging_face_on_qwen2(tiny_models):
 
 def test_lean_forward_equals_hugging_face_on_llama_with_scaled_rope():
     _same_steps(_tiny_llama(), [[1, 2, 3, 4, 5], [6], [7, 8], [9]], crop_after=1)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_lean_forward_matches_hugging_face_in_bf16(tiny_models, quantize):
+    """The draft as a CPU with AMX runs it (`--quantize auto`): bf16 activations
+    and cache, int4 weights, or bf16 ones. A 20-token prompt takes the int4 layers'
+    int8 copies (more than 16 rows), steps and catch-ups the int4 kernel. The
+    lean path computes the same ops in bf16, so logits agree to bf16's rounding
+    and every greedy token is the same."""
+    loaded = load(ModelConfig(tiny_models["other"], dtype="bfloat16", linear="native"), pack=False)
+    if quantize == "int4":
+        loaded = replace(loaded, model=quantize_int4(loaded.model))
+        assert any(isinstance(m, Int4Linear) for m in loaded.model.modules())
+    hf, lean = ModelRunner(loaded, "cpu"), LeanRunner(loaded, "cpu")
+    hf_kv, lean_kv = hf.new_cache(), lean.new_cache()
+    prompt = [(7 * i + 3) % 60 + 1 for i in range(20)]
+    for chunk in [prompt, [9], [11], [2, 3, 1], [17]]:
+        expected = hf.forward(hf_kv, chunk, logits_to_keep=len(chunk))
+        got = lean.forward(lean_kv, chunk, logits_to_keep=len(chunk))
+        torch.testing.assert_close(got, expected, atol=3e-2, rtol=1e-2)
+        assert got.argmax(dim=-1).tolist() == expected.argmax(dim=-1).tolist()
+        assert lean_kv.get_seq_length() == hf_kv.get_seq_length()
 
 
 def test_the_cache_grows_and_keeps_what_it_held(tiny_models):
