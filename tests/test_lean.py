@@ -65,7 +65,7 @@ def test_lean_forward_matches_hugging_face_in_bf16(tiny_models, quantize):
     and cache, int4 weights, or bf16 ones. A 20-token prompt takes the int4 layers'
     int8 copies (more than 16 rows), steps and catch-ups the int4 kernel. The
     lean path computes the same ops in bf16, so logits agree to bf16's rounding
-    and every greedy token is the same."""
+    and so does every greedy token that is not a near-tie."""
     loaded = load(ModelConfig(tiny_models["other"], dtype="bfloat16", linear="native"), pack=False)
     if quantize == "int4":
         loaded = replace(loaded, model=quantize_int4(loaded.model))
@@ -73,12 +73,19 @@ def test_lean_forward_matches_hugging_face_in_bf16(tiny_models, quantize):
     hf, lean = ModelRunner(loaded, "cpu"), LeanRunner(loaded, "cpu")
     hf_kv, lean_kv = hf.new_cache(), lean.new_cache()
     prompt = [(7 * i + 3) % 60 + 1 for i in range(20)]
+    compared = 0
     for chunk in [prompt, [9], [11], [2, 3, 1], [17]]:
         expected = hf.forward(hf_kv, chunk, logits_to_keep=len(chunk))
         got = lean.forward(lean_kv, chunk, logits_to_keep=len(chunk))
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=1e-2)
-        assert got.argmax(dim=-1).tolist() == expected.argmax(dim=-1).tolist()
+        # The same greedy token wherever Hugging Face's is not a near-tie at bf16's rounding.
+        top2 = expected.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1] > 0.1).tolist()
+        compared += sum(clear)
+        for i, is_clear in enumerate(clear):
+            assert not is_clear or int(got[i].argmax()) == int(expected[i].argmax()), i
         assert lean_kv.get_seq_length() == hf_kv.get_seq_length()
+    assert compared >= 13  # of 26 positions
 
 
 def test_the_cache_grows_and_keeps_what_it_held(tiny_models):
