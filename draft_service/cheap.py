@@ -63,42 +63,76 @@ QUANTIZE = ("none", "int8", "int4", "auto")
 
 
 def auto_quantize(device: str) -> str:
-    """--quantize auto: int4 on a CPU with AMX, where it was measured faster;
-    int8 on other CPUs (the int4 kernel needs native bf16 to be fast at all, and
+    """--quantize auto: int4 on a CPU with AMX (aten's kernel) or with
+    AVX512-VNNI (tandem/i4w.c), where each was measured faster than int8; int8
+    on other CPUs (aten's int4 kernel needs native bf16 to be fast at all, and
     on a Zen 4 EPYC with AVX512-BF16 but no AMX it stepped in 34.5-36.4 ms
-    against int8's 30.3-33.8, with the same pipelined tok/s: bench/RESULTS.md); none on a GPU."""
+    against int8's 30.3-33.8: bench/RESULTS.md); none on a GPU."""
     from tandem.cpu_kernels import amx_bf16
 
     if device != "cpu":
         return "none"
-    return "int4" if amx_bf16() else "int8"
+    return "int4" if amx_bf16() or int4_kernel() == "vnni" else "int8"
+
+
+def int4_kernel() -> str:
+    """Which kernel Int4Linear multiplies with by default: aten's on a CPU with
+    AMX (measured there, bf16 activations), tandem/i4w.c's where the CPU has
+    AVX512-VNNI (tandem/i4w.py has the measurements), else aten's."""
+    from tandem import i4w
+    from tandem.cpu_kernels import amx_bf16
+
+    if amx_bf16() or i4w.unavailable() is not None:
+        return "aten"
+    return "vnni"
 
 
 class Int4Linear(torch.nn.Module):
     """An nn.Linear with 4-bit weights: each row in groups of `group` input
     channels, each group with its own scale and offset (asymmetric min/max
-    rounding), packed once at load for aten's CPU int4 kernel
-    (_weight_int4pack_mm_for_cpu, the op under torchao's CPU int4 layout, which
-    torchao 0.18 keeps in its prototype tree). Activations and output are bf16.
-    Output rows are padded to the kernel's multiple of 16 and cut off again.
+    rounding), multiplied by one of two kernels:
+    - "aten": packed once at load for aten's CPU int4 kernel
+      (_weight_int4pack_mm_for_cpu, the op under torchao's CPU int4 layout,
+      which torchao 0.18 keeps in its prototype tree). Activations and output
+      are bf16. Output rows are padded to the kernel's multiple of 16 and cut
+      off again.
+    - "vnni": tandem/i4w.c, the same weights (scales held in fp16) times
+      activations quantized to int8 a row at a time; float32 in and out.
     A forward of more than `wide_rows` rows runs an int8 copy of the layer
     (quantize_int8) instead; None keeps no copy."""
 
-    def __init__(self, linear: torch.nn.Linear, group: int = INT4_GROUP, wide_rows: int | None = INT4_WIDE_ROWS):
+    def __init__(self, linear: torch.nn.Linear, group: int = INT4_GROUP, wide_rows: int | None = INT4_WIDE_ROWS,
+                 kernel: str | None = None):
         super().__init__()
+        from tandem import i4w
+
+        kernel = kernel or int4_kernel()
+        if kernel not in ("aten", "vnni"):
+            raise ValueError(f"int4 kernel must be 'aten' or 'vnni', got {kernel!r}")
+        if kernel == "vnni" and group != i4w.GROUP:
+            raise ValueError(f"the vnni int4 kernel takes groups of {i4w.GROUP}, not {group}")
         weight = linear.weight.detach().float()
         out_features, in_features = weight.shape
         if in_features % group:
             raise ValueError(f"int4: {in_features} input channels are not a multiple of the group size {group}")
-        self.in_features, self.out_features, self.group = in_features, out_features, group
-        padded = torch.cat([weight, weight.new_zeros((-out_features) % 16, in_features)])
+        self.in_features, self.out_features, self.group, self.kernel = in_features, out_features, group, kernel
+        self.padded_out = out_features + (-out_features) % 16  # the kernels' multiple of 16
+        padded = torch.cat([weight, weight.new_zeros(self.padded_out - out_features, in_features)])
         codes, scale, low = quantize_groups(padded, group)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
-        # The kernel computes (code - 8) * scale + zero per weight: zero is the group's value at code 8.
-        zero = low + 8 * scale
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        if kernel == "vnni":
+            self.register_buffer("packed", i4w.pack(codes, scale, low))
+            self.output_dtype = torch.float32
+        else:
+            self.register_buffer("packed",
+                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+            # The kernel computes (code - 8) * scale + zero per weight: zero is the group's value at code 8.
+            zero = low + 8 * scale
+            self.register_buffer("scales_and_zeros",
+                                 torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
+            self.output_dtype = torch.bfloat16
+        bias = None if linear.bias is None else linear.bias.detach().to(self.output_dtype)
+        if bias is not None and kernel == "vnni":
+            bias = torch.cat([bias, bias.new_zeros(self.padded_out - out_features)])
         self.register_buffer("bias", bias)
         self.wide_rows = wide_rows
         self.wide = None
@@ -109,10 +143,15 @@ class Int4Linear(torch.nn.Module):
                 wide.bias.data = linear.bias.detach().float().clone()
             self.wide = quantize_int8(torch.nn.Sequential(wide))[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out], bf16
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out], output_dtype
         flat = x.reshape(-1, self.in_features)
         if self.wide is not None and flat.shape[0] > self.wide_rows:
-            return self.wide(flat.float()).to(torch.bfloat16).reshape(*x.shape[:-1], self.out_features)
+            return self.wide(flat.float()).to(self.output_dtype).reshape(*x.shape[:-1], self.out_features)
+        if self.kernel == "vnni":
+            from tandem import i4w
+
+            y = i4w.linear(flat.float().contiguous(), self.packed, self.bias, self.padded_out)
+            return y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         flat = flat.to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
         y = y[:, : self.out_features]
@@ -121,8 +160,8 @@ class Int4Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, int4"
-                + (f", int8 above {self.wide_rows} rows" if self.wide is not None else ""))
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, int4 "
+                f"({self.kernel})" + (f", int8 above {self.wide_rows} rows" if self.wide is not None else ""))
 
 
 def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,16 +175,18 @@ def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return codes.reshape(rows, cols).to(torch.uint8), scale, low
 
 
-def quantize_int4(module: torch.nn.Module, group: int = INT4_GROUP) -> torch.nn.Module:
+def quantize_int4(module: torch.nn.Module, group: int = INT4_GROUP, kernel: str | None = None) -> torch.nn.Module:
     """Replaces every nn.Linear of `module` whose input width is a multiple of
-    `group` with an Int4Linear; the others stay as they are (logged)."""
+    `group` with an Int4Linear (on `kernel`, by default int4_kernel()); the
+    others stay as they are (logged)."""
+    kernel = kernel or int4_kernel()
     kept = []
 
     def make(layer: torch.nn.Linear) -> Int4Linear | None:
         if layer.in_features % group:
             kept.append(layer)
             return None
-        return Int4Linear(layer, group)
+        return Int4Linear(layer, group, kernel=kernel)
 
     replace_linears(module, make)
     if kept:
@@ -166,7 +207,8 @@ class ReducedHead:
         assert lm_head_weight.ndim == 2 and token_ids.ndim == 1
         self.vocab_size = lm_head_weight.shape[0]
         self.token_ids = token_ids.to(lm_head_weight.device)
-        self.input_dtype = {"int8": torch.float32, "int4": torch.bfloat16}.get(quantize, lm_head_weight.dtype)
+        int4_input = torch.bfloat16 if quantize == "int4" and int4_kernel() == "aten" else torch.float32
+        self.input_dtype = {"int8": torch.float32, "int4": int4_input}.get(quantize, lm_head_weight.dtype)
         linear = torch.nn.Linear(lm_head_weight.shape[1], len(token_ids), bias=False, dtype=self.input_dtype,
                                  device=lm_head_weight.device)
         linear.weight.data = lm_head_weight[self.token_ids].detach().to(self.input_dtype).clone()

@@ -5,7 +5,8 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-from draft_service.cheap import QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, quantize_int4, quantize_int8
+from draft_service.cheap import (QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel, quantize_int4,
+                                 quantize_int8)
 from draft_service.lean import LEAN_STEP, lean_runner
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
 from tandem import multiplex, serving, telemetry
@@ -29,7 +30,7 @@ class DraftOptions:
     backend: str = "model"  # "model", "ngram" (prompt lookup) or "ngram+model"
     vocab_subset: int = 0  # FR-Spec: score only the N most frequent tokens; 0 = all
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
-    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (weights, bf16), "auto": int4 on a CPU with AMX, else int8
+    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (bf16 with AMX, else int8 activations on AVX512-VNNI), "auto": cheap.auto_quantize
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
     lean_step: str = "auto"  # draft_service.lean: "on", "off", "auto" (on a CPU, for the models it supports)
 
@@ -97,13 +98,14 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
             return
         if options.quantize != "none" and model.device != "cpu":
-            kernel = "fbgemm" if options.quantize == "int8" else "aten's CPU int4 kernel"
+            kernel = "fbgemm" if options.quantize == "int8" else "CPU int4 kernels"
             raise ValueError(f"--quantize {options.quantize} runs on the CPU only ({kernel}), not on {model.device}")
-        compute = {"int8": "float32", "int4": "bfloat16"}.get(options.quantize)
+        int4 = int4_kernel() if options.quantize == "int4" else None
+        compute = {"int8": "float32", "int4": "bfloat16" if int4 == "aten" else "float32"}.get(options.quantize)
         if compute and model.resolved_dtype != compute:
             log.info("%s quantization computes in %s: loading the draft in %s", options.quantize, compute, compute)
             model = replace(model, dtype=compute, linear="native")
-        if options.quantize == "int4" and not native_bf16():
+        if int4 == "aten" and not native_bf16():
             log.warning("--quantize int4 on a CPU without native bf16: its int4 kernel is slow here; "
                         "--quantize int8 (or auto) is faster")
         worker = serving.ModelWorker("draft-model")

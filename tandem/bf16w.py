@@ -20,98 +20,35 @@ whatever the other rows, so a verify's rows equal one-token decoding's bit
 for bit in these layers. A layer whose float32 weights are not all bf16
 values keeps the kernel it would have had.
 
-The C source is compiled once per machine with the system's C compiler
-(`cc`, or $CC) into $TANDEM_KERNEL_CACHE (default ~/.cache/tandem/kernels)
-and loaded with ctypes, which releases the GIL for the call."""
+tandem.ckernel builds the C source once per machine and loads it."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from tandem.ckernel import CKernel, cpu_capability
 
-SOURCE = Path(__file__).with_name("bf16w.c")
-COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 ISA_FLAGS = {"AVX512": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma"]}  # by torch's CPU capability
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
 
 
-def cpu_capability() -> str | None:
-    """"AVX512" or "AVX2" (with FMA), what torch's dispatcher found; None for
-    a CPU the kernel has no build for."""
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return None
-    return capability if capability in ISA_FLAGS else None
-
-
-def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_KERNEL_CACHE") or Path.home() / ".cache" / "tandem" / "kernels")
-
-
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None (and why in unavailable())
-    where the CPU or the machine cannot run it."""
-    global _library, _failure
-    with _lock:
-        if _library is not None or _failure is not None:
-            return _library
-        try:
-            _library = _build_and_load()
-        except (OSError, subprocess.CalledProcessError, RuntimeError) as err:
-            _failure = str(err)
-            log.info("bf16w kernel unavailable: %s", _failure)
-        return _library
-
-
-def unavailable() -> str | None:
-    """Why the kernel cannot run here, or None."""
-    library()
-    return _failure
-
-
-def _build_and_load() -> ctypes.CDLL:
+def _flags() -> list[str]:
     isa = cpu_capability()
     if isa is None:
         raise RuntimeError("this CPU has neither AVX-512 nor AVX2")
-    flags = [*COMMON_FLAGS, *ISA_FLAGS[isa]]
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or $CC) to build it with")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"bf16w-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode:
-                raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {result.stderr.strip()[-500:]}")
-            os.replace(built, target)  # atomic: another process may build it at the same time
-        log.info("built the bf16w kernel (%s): %s", isa, target)
-    lib = ctypes.CDLL(str(target))
+    return ISA_FLAGS[isa]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.tandem_bf16w_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tandem_bf16w_linear.restype = None
     lib.tandem_bf16w_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.tandem_bf16w_pack.restype = None
-    return lib
+
+
+KERNEL = CKernel("bf16w", Path(__file__).with_name("bf16w.c"), _flags, _declare)
+library, unavailable = KERNEL.library, KERNEL.unavailable
 
 
 def fits(linear: torch.nn.Linear) -> bool:
@@ -130,7 +67,7 @@ class Bf16wLinear(torch.nn.Module):
         super().__init__()
         lib = library()
         if lib is None:
-            raise RuntimeError(f"the bf16w kernel is unavailable: {_failure}")
+            raise RuntimeError(f"the bf16w kernel is unavailable: {unavailable()}")
         self._lib = lib
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().bfloat16().contiguous()  # [out, in]

@@ -136,11 +136,20 @@ def _group_dequantized(weight, group):
     return (torch.round((groups - low) / step) * step + low).reshape(rows, cols), step
 
 
-@pytest.mark.parametrize("out_features,bias", [(64, True), (40, False), (24, True)])
-def test_int4_linear_computes_its_group_quantized_weights(out_features, bias):
+def _int4_kernels():
+    from tandem import i4w
+
+    vnni = pytest.mark.skipif(i4w.unavailable() is not None, reason=f"i4w kernel: {i4w.unavailable()}")
+    return ["aten", pytest.param("vnni", marks=vnni)]
+
+
+@pytest.mark.parametrize("kernel", _int4_kernels())
+@pytest.mark.parametrize("out_features,bias", [(64, True), (40, False), (24, True), (208, True)])
+def test_int4_linear_computes_its_group_quantized_weights(out_features, bias, kernel):
     """Int4Linear computes x·Wq + b with Wq the 16-level rounding of each
-    32-channel group (within bf16 rounding), Wq is within half a step of W, and
-    output widths that are not a multiple of the kernel's 16 come out whole."""
+    32-channel group (within bf16 rounding, or the vnni kernel's int8
+    activations), Wq is within half a step of W, and output widths that are not
+    a multiple of the kernels' 16 come out whole."""
     import torch
 
     from draft_service.cheap import Int4Linear
@@ -150,13 +159,15 @@ def test_int4_linear_computes_its_group_quantized_weights(out_features, bias):
     with torch.no_grad():
         linear.weight[:, :32] *= 10  # groups of very different ranges
     x = torch.randn(5, 96)
-    layer = Int4Linear(linear, group=32)
+    layer = Int4Linear(linear, group=32, kernel=kernel)
     y = layer(x)
-    assert y.shape == (5, out_features) and y.dtype == torch.bfloat16
+    assert y.shape == (5, out_features)
+    assert y.dtype == {"aten": torch.bfloat16, "vnni": torch.float32}[kernel]
     weight = linear.weight.detach()
     dequantized, step = _group_dequantized(weight, 32)
     assert torch.all((dequantized - weight).reshape(out_features, 3, 32).abs() <= step / 2 + 1e-6)
-    reference = x.to(torch.bfloat16).float() @ dequantized.T + (linear.bias.detach() if bias else 0)
+    inputs = x.to(torch.bfloat16).float() if kernel == "aten" else x
+    reference = inputs @ dequantized.T + (linear.bias.detach() if bias else 0)
     unquantized = x @ weight.T + (linear.bias.detach() if bias else 0)
     error = (y.float() - reference).abs().max()
     assert error <= 0.02 * reference.abs().max()
@@ -164,23 +175,25 @@ def test_int4_linear_computes_its_group_quantized_weights(out_features, bias):
     assert layer(x[0]).shape == (out_features,)  # any leading shape
 
 
-def test_int4_linear_takes_its_int8_copy_for_wide_forwards():
+@pytest.mark.parametrize("kernel", _int4_kernels())
+def test_int4_linear_takes_its_int8_copy_for_wide_forwards(kernel):
     """A forward of more rows than wide_rows (a prompt's prefill) runs the
-    layer's int8 copy: the int4 kernel multiplies row by row and is several times
-    slower there. Rows up to wide_rows get the int4 result, row for row."""
+    layer's int8 copy: the int4 kernels multiply a few rows a pass over the
+    weights and are several times slower there. Rows up to wide_rows get the
+    int4 result, row for row."""
     import torch
 
     from draft_service.cheap import Int4Linear
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(64, 48)
-    layer = Int4Linear(linear, group=32, wide_rows=4)
+    layer = Int4Linear(linear, group=32, wide_rows=4, kernel=kernel)
     assert layer.wide is not None
     x = torch.randn(9, 64)
     exact = (x @ linear.weight.T + linear.bias).detach()
     narrow = torch.cat([layer(x[i:i + 3]) for i in range(0, 9, 3)])  # int4
     wide = layer(x)  # 9 rows > 4: int8
-    assert wide.shape == (9, 48) and wide.dtype == torch.bfloat16
+    assert wide.shape == (9, 48) and wide.dtype == layer.output_dtype
     int8_error = (wide.float() - exact).abs().max()
     int4_error = (narrow.float() - exact).abs().max()
     assert int8_error < int4_error / 2  # 256 levels per output channel against 16 per group
@@ -210,12 +223,15 @@ def test_int4_draft_quantizes_every_linear_layer_it_can(tiny_models):
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
 
 
-def test_quantize_auto_picks_int4_only_with_amx(monkeypatch):
+def test_quantize_auto_picks_int4_with_amx_or_the_vnni_kernel(monkeypatch):
+    """int4 on aten's kernel with AMX, on tandem/i4w.c with AVX512-VNNI and no
+    AMX, int8 elsewhere on a CPU, nothing on a GPU."""
     from draft_service import cheap
-    from tandem import cpu_kernels
+    from tandem import cpu_kernels, i4w
 
-    monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: True)
-    assert cheap.auto_quantize("cpu") == "int4"
-    monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: False)
-    assert cheap.auto_quantize("cpu") == "int8"
-    assert cheap.auto_quantize("cuda:0") == "none"
+    for amx, vnni, quantize, kernel in [(True, True, "int4", "aten"), (True, False, "int4", "aten"),
+                                        (False, True, "int4", "vnni"), (False, False, "int8", "aten")]:
+        monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: amx)
+        monkeypatch.setattr(i4w, "unavailable", lambda: None if vnni else "no AVX512-VNNI")
+        assert (cheap.auto_quantize("cpu"), cheap.int4_kernel()) == (quantize, kernel)
+        assert cheap.auto_quantize("cuda:0") == "none"

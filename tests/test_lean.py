@@ -11,6 +11,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 from draft_service.cheap import Int4Linear, quantize_int4
 from draft_service.drafters import ModelDrafter
 from draft_service.lean import LeanRunner, StaticKV, lean_runner, unsupported
+from tandem import i4w
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
 from tests.test_decoder import _propose_call
@@ -71,16 +72,30 @@ def test_lean_forward_equals_hugging_face_on_llama_with_scaled_rope():
 @pytest.mark.parametrize("quantize", ["none", "int4"])
 def test_lean_forward_matches_hugging_face_in_bf16(tiny_models, quantize):
     """The draft as a CPU with AMX runs it (`--quantize auto`): bf16 activations
-    and cache, int4 weights, or bf16 ones. A 20-token prompt takes the int4 layers'
-    int8 copies (more than 16 rows), steps and catch-ups the int4 kernel. The
-    lean path computes the same ops in bf16, so logits agree to bf16's rounding
-    and so does every greedy token that is not a near-tie."""
+    and cache, int4 weights on aten's kernel, or bf16 ones. A 20-token prompt
+    takes the int4 layers' int8 copies (more than 16 rows), steps and catch-ups
+    the int4 kernel. The lean path computes the same ops in bf16, so logits
+    agree to bf16's rounding and so does every greedy token that is not a near-tie."""
     loaded = load(ModelConfig(tiny_models["other"], dtype="bfloat16", linear="native"), pack=False)
     if quantize == "int4":
-        loaded = replace(loaded, model=quantize_int4(loaded.model))
+        loaded = replace(loaded, model=quantize_int4(loaded.model, kernel="aten"))
         assert any(isinstance(m, Int4Linear) for m in loaded.model.modules())
     prompt = [(7 * i + 3) % 60 + 1 for i in range(20)]
     clear = _same_steps(loaded, [prompt, [9], [11], [2, 3, 1], [17]], atol=3e-2, rtol=1e-2)
+    assert clear >= 13  # of 26 positions
+
+
+@pytest.mark.skipif(i4w.unavailable() is not None, reason=f"i4w kernel: {i4w.unavailable()}")
+def test_lean_forward_matches_hugging_face_on_the_vnni_int4_kernel(tiny_models):
+    """The draft as a CPU with AVX512-VNNI and no AMX runs it (`--quantize
+    auto`): float32, int4 weights on tandem/i4w.c. Both forwards call the same
+    layers, so they agree but for where another attention path moves an
+    activation across an int8 rounding boundary."""
+    loaded = load(ModelConfig(tiny_models["other"], dtype="float32", linear="native"), pack=False)
+    loaded = replace(loaded, model=quantize_int4(loaded.model, kernel="vnni"))
+    assert {m.kernel for m in loaded.model.modules() if isinstance(m, Int4Linear)} == {"vnni"}
+    prompt = [(7 * i + 3) % 60 + 1 for i in range(20)]
+    clear = _same_steps(loaded, [prompt, [9], [11], [2, 3, 1], [17]], atol=1e-3, rtol=1e-3)
     assert clear >= 13  # of 26 positions
 
 

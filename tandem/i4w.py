@@ -1,0 +1,82 @@
+"""4-bit weights times int8 activations on AVX512-VNNI (tandem/i4w.c): the int4
+draft's kernel on CPUs without AMX.
+
+Why: a draft step streams all of the draft's weights for one token, so it costs
+what its bytes cost. On a 2-core Zen 4 EPYC VM (AVX512-VNNI, no AMX, one thread;
+2026-11-26), all of the default draft's linear layers and its 32k-token head,
+one token, distinct weights so that nothing stays cached:
+- int8 weights and activations on FBGEMM (quantize_dynamic): 27–29 ms
+  (about 387 MB);
+- int4 weights on aten's CPU kernel: slower than int8 there (the draft step
+  34.5–36.4 ms against 30.3–33.8: it needs native bf16 matmuls to be fast);
+- this kernel: 9.9–10.1 ms (242 MB, codes and fp16 scales: 24 GB/s, about what
+  one core of that VM reads).
+
+The weights are those of aten's int4 path (cheap.quantize_groups: groups of 32
+input channels, 16 levels between the group's min and max); the group's scale
+and low value are held in fp16. Each row of activations is quantized to int8
+with its own scale (max|x| / 127), so a row's output does not depend on the
+other rows of its forward: a token's draft probabilities are the same whether
+it was fed alone or in a catch-up, and a seeded sampled run gives the same
+tokens with the pipeline on and off."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tandem.ckernel import CKernel
+
+GROUP = 32  # input channels per scale, fixed in the C source
+UNIT = 320  # bytes of one group of 16 columns: 256 of codes, 32 of scales, 32 of low values
+
+
+def _flags() -> list[str]:
+    return ["-mavx512f", "-mavx512bw", "-mavx512vnni"]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.tandem_i4w_supported.argtypes = []
+    lib.tandem_i4w_supported.restype = ctypes.c_int
+    if not lib.tandem_i4w_supported():
+        raise RuntimeError("this CPU has no AVX512-VNNI (with AVX512-BW)")
+    lib.tandem_i4w_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tandem_i4w_linear.restype = None
+
+
+KERNEL = CKernel("i4w", Path(__file__).with_name("i4w.c"), _flags, _declare)
+library, unavailable = KERNEL.library, KERNEL.unavailable
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (0..15), scale and low [N, K / GROUP] (weight ≈ code·scale + low)
+    → the byte layout tandem/i4w.c reads, N % 16 == 0, K % GROUP == 0."""
+    rows, cols = codes.shape
+    assert rows % 16 == 0 and cols % GROUP == 0, codes.shape
+    groups = cols // GROUP
+    parts, n = [], 0
+    while n < rows:
+        width = 64 if n < rows // 64 * 64 else 16  # column blocks of 64, then 16
+        vecs = width // 16
+        block = codes[n:n + width].to(torch.uint8).reshape(vecs, 16, groups, 4, 2, 4)  # vector, lane, group, quad, half, byte
+        block = block.permute(2, 0, 3, 1, 5, 4)  # group, vector, quad, lane, byte, half
+        nibbles = (block[..., 0] | (block[..., 1] << 4)).reshape(groups, vecs, 256)
+        halves = [t[n:n + width].reshape(vecs, 16, groups).permute(2, 0, 1).to(torch.float16).contiguous()
+                  .view(torch.uint8) for t in (scale, low)]  # group, vector, 32 bytes
+        parts.append(torch.cat([nibbles, *halves], dim=-1).reshape(-1))
+        n += width
+    return torch.cat(parts).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous → [M, out_features] float32 (bias float32 or None)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the i4w kernel is unavailable: {unavailable()}")
+    rows, cols = x.shape
+    scratch = torch.empty(rows * (cols + 4 * (cols // GROUP) + 4), dtype=torch.uint8)
+    y = torch.empty(rows, out_features)
+    lib.tandem_i4w_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                          scratch.data_ptr(), rows, out_features, cols, torch.get_num_threads())
+    return y
