@@ -283,6 +283,9 @@ def main(argv=None) -> int:
                              "Tandem's own and tandem.cpu_kernels.baseline_configs' others (on a CPU: float32 on its "
                              "fastest layers, float32/native, bfloat16) are always timed, and speedups are over the "
                              "fastest")
+    parser.add_argument("--own-baseline-only", action="store_true",
+                        help="time the target alone in Tandem's own configuration only, and take the speedups over "
+                             "it: for comparing Tandem's settings run after run (A/B), not for the goals")
     parser.add_argument("--draft-args", default=None,
                         help="extra flags for the draft service (default: '--quantize auto --vocab-subset 32768' "
                              "on a CPU, none on a GPU)")
@@ -341,6 +344,8 @@ def main(argv=None) -> int:
     from tandem.cpu_kernels import config_label
 
     configs = baselines(args.dtype, args.baselines, args.device, target_linear(args.target_args))
+    if args.own_baseline_only:
+        configs = configs[:1]
     for dtype, linear in configs[1:]:
         label = config_label(dtype, linear)
         suffix = "_" + label.replace("/", "_")

@@ -26,7 +26,11 @@ draft token, so any change to the draft costs acceptance, never correctness.
   per channel 0.922/0.945/0.636/0.641 (mean 0.786), draft step 43.5 ms; int4
   g32 0.922/0.961/0.610/0.648 (0.785), 34.3 ms; int4 g64 0.780, 32.9 ms; int4
   g128 0.768, 32.4 ms. The kernel is fast only with native bf16: the same
-  layers took 25 ms in bf16 and 582 ms with float32 activations there."""
+  layers took 25 ms in bf16 and 582 ms with float32 activations there.
+  On CPUs with AVX512-VNNI and no AMX the same weights run on tandem/i4w.c
+  instead, times activations quantized to int8 one token at a time (so a
+  token's probabilities still do not depend on which tokens shared its
+  forward); tandem/i4w.py has its measurements."""
 from __future__ import annotations
 
 import logging

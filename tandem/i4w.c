@@ -21,6 +21,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #define G 32
 #define LANES 16
@@ -28,6 +29,13 @@
 #define BLOCK (WIDE * LANES)
 #define UNIT 320 /* bytes of one group of one vector of columns */
 #define ROWS 4 /* rows of x a pass: 16 float accumulators, 4 int32 ones and the weights */
+
+/* Four activation bytes broadcast to every lane (memcpy: one load, no aliasing). */
+static inline __attribute__((always_inline)) __m512i quad(const int8_t *q) {
+    int32_t word;
+    memcpy(&word, q, sizeof word);
+    return _mm512_set1_epi32(word);
+}
 
 int tandem_i4w_supported(void) {
     __builtin_cpu_init();
@@ -55,8 +63,8 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
                 const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
                 _Pragma("GCC unroll 4") for (int m = 0; m < M; m++) {
                     const int8_t *q = xq + m * K + g * G + 8 * j;
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(*(const int32_t *)q));
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], lo, quad(q));
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], hi, quad(q + 4));
                 }
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 256)));

@@ -66,3 +66,19 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
     assert out.with_suffix(".png").stat().st_size > 0
     # (f) is HF assisted: its 2 prompts, timed beside each of the 2 (g) configurations, ran with the draft
     assert runs.count((True, 12)) == 4
+
+
+def test_own_baseline_only_times_the_target_alone_in_tandems_kernels_only(char_models, tmp_path):
+    """--own-baseline-only (A/B runs of Tandem's settings) skips the target
+    alone in every other configuration, and the JSON says which it timed."""
+    from bench.nodes import main
+
+    out = tmp_path / "nodes.json"
+    code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--prompts", "code-1", "--new-tokens", "8", "--fixed-ks", "2", "--skip", "e,f,g",
+                 "--own-baseline-only", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert len(result["baselines"]) == 1
+    assert [name for name in result["modes"] if name.startswith("a_")] == ["a_target_one_core"]
+    assert {"b_sequential", "c_pipelined_k2", "d_pipelined_adaptive"} <= set(result["modes"])

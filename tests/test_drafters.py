@@ -33,8 +33,9 @@ def test_backends_stay_lossless_end_to_end(tiny_models, options):
     drafted inside a two-token catch-up gets slightly other probabilities than
     drafted alone, and the pipeline chunks the draft's input differently. (The
     rejection rule keeps the target's distribution whatever the draft's,
-    test_e2e_sampling.) An int4 draft quantizes weights only, so it keeps
-    the seeded equality."""
+    test_e2e_sampling.) An int4 draft quantizes weights only (aten's kernel)
+    or activations one token at a time (tandem/i4w.c), so it keeps the seeded
+    equality."""
     if options.quantize != "none" and DEVICE != "cpu":
         pytest.skip("quantized drafts run on the CPU only")
     cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=options)
@@ -173,6 +174,52 @@ def test_int4_linear_computes_its_group_quantized_weights(out_features, bias, ke
     assert error <= 0.02 * reference.abs().max()
     assert error < (unquantized - reference).abs().max() / 4  # it computes the rounded weights, not W
     assert layer(x[0]).shape == (out_features,)  # any leading shape
+
+
+@pytest.mark.parametrize("out_features", [16, 80, 208])
+def test_vnni_int4_kernel_computes_each_row_on_its_own(out_features):
+    """tandem/i4w.c: each row of x quantized to int8 with its own scale, times
+    the packed codes, scales and low values, gives the test's own float64
+    reference to float32 rounding; and a row's output is bit for bit the same
+    whatever the other rows of its forward and the number of threads (a
+    draft's token gets the same probabilities alone or in a catch-up). Widths
+    of 16, 64 + 16 and 3 × 64 + 16 take both kinds of column block."""
+    import torch
+
+    from draft_service.cheap import quantize_groups
+    from tandem import i4w
+
+    if i4w.unavailable() is not None:
+        pytest.skip(f"i4w kernel: {i4w.unavailable()}")
+    torch.manual_seed(2)
+    weight = torch.randn(out_features, 128) * torch.rand(out_features, 1)  # rows of different ranges
+    weight[:, 64:96] *= 20
+    codes, scale, low = quantize_groups(weight, i4w.GROUP)
+    packed = i4w.pack(codes, scale, low)
+    bias = torch.randn(out_features)
+    x = torch.randn(7, 128) * torch.tensor([1.0, 0.01, 5.0, 1.0, 0.0, 2.0, 1.0])[:, None]  # a zero row too
+    y = i4w.linear(x, packed, bias, out_features)
+
+    held = lambda t: t.to(torch.float16).double()[..., None]  # scale and low as the kernel holds them
+    dequantized = (codes.double().reshape(out_features, -1, i4w.GROUP) * held(scale) + held(low)).reshape(weight.shape)
+    row_scale = (x.abs().amax(1, keepdim=True) / 127).double()
+    row_scale[row_scale == 0] = 1
+    quantized = torch.round(x.double() / row_scale).clamp(-127, 127)
+    reference = (quantized @ dequantized.T) * row_scale + bias.double()
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4)
+    assert torch.equal(y[4], bias)  # a zero row gives the bias alone
+
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            alone = torch.cat([i4w.linear(x[i:i + 1].contiguous(), packed, bias, out_features) for i in range(7)])
+            assert torch.equal(alone, y)
+            assert torch.equal(i4w.linear(x[2:7].contiguous(), packed, bias, out_features), y[2:7])
+    finally:
+        torch.set_num_threads(threads)
+    unbiased = i4w.linear(x, packed, None, out_features)
+    torch.testing.assert_close(unbiased.double(), reference - bias.double(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("kernel", _int4_kernels())
