@@ -28,9 +28,9 @@ draft token, so any change to the draft costs acceptance, never correctness.
   g128 0.768, 32.4 ms. The kernel is fast only with native bf16: the same
   layers took 25 ms in bf16 and 582 ms with float32 activations there.
   On CPUs with AVX512-VNNI and no AMX the same weights run on tandem/i4w.c
-  instead, times activations quantized to int8 one token at a time (so a
-  token's probabilities still do not depend on which tokens shared its
-  forward); tandem/i4w.py has its measurements."""
+  instead, times activations quantized to int8 one token at a time, in
+  groups of 32 (so a token's probabilities still do not depend on which
+  tokens shared its forward); tandem/i4w.py has its measurements."""
 from __future__ import annotations
 
 import logging

@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "float32, and its per-forward activation scales make a seeded sampled run differ "
                             "between --pipeline on and off (greedy output does not); int4 = 4-bit weights in "
                             "groups of 32: with AMX in bf16 on aten's kernel, else with AVX512-VNNI times int8 "
-                            "activations, one scale per token (tandem/i4w.c), else in bf16 on aten's kernel, fast "
-                            "only with native bf16; auto = int4 on a CPU with AMX or AVX512-VNNI, else int8 "
+                            "activations, one scale per group of 32 of each token (tandem/i4w.c), else in bf16 on "
+                            "aten's kernel, fast only with native bf16; auto = int4 on a CPU with AMX or AVX512-VNNI, else int8 "
                             "(default: %(default)s)")
     draft.add_argument("--min-confidence", type=float, default=0.0,
                        help="greedy: end a draft block after a token the draft gives a probability below this "

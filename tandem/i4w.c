@@ -1,14 +1,16 @@
 /* y[M, N] = x[M, K] · W[N, K]ᵀ on 4-bit weights in groups of G input columns,
    each group of a column with its own scale d and low value m (W ≈ d·code + m,
-   code 0…15), and int8 activations, one scale per row of x, multiplied with
-   AVX512-VNNI's vpdpbusd (tandem/i4w.py says why).
+   code 0…15), and int8 activations in the same groups, each group of each row
+   of x with its own scale, multiplied with AVX512-VNNI's vpdpbusd
+   (tandem/i4w.py says why).
 
-   Each row of x is quantized on its own: s = max|x| / 127, q = round(x / s).
-   A group's dot product Σ code·q is exact in int32; the output is
-   s · Σ_groups (d · Σ code·q + m · Σ q) + bias, folded over the groups in
-   order in float32. So an output row depends on its own row of x only: not
-   on the other rows, on M, on the threads, or on how a sequence was split
-   into forwards.
+   Each group of G values of a row of x is quantized on its own: s = max|x| /
+   127 over the group, q = round(x / s), so one large channel costs precision
+   in its own group only (as llama.cpp's Q8_0 blocks). A group's dot product
+   Σ code·q is exact in int32; the output is Σ_groups s · (d · Σ code·q + m · Σ q)
+   + bias, folded over the groups in order in float32. So an output row depends
+   on its own row of x only: not on the other rows, on M, on the threads, or on
+   how a sequence was split into forwards.
 
    Packed W: column blocks of 64 (then of 16 for what is left); within a
    block, for each group, for each vector of 16 columns, 320 bytes: 4 × 64
@@ -70,16 +72,16 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 256)));
             const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 288)));
             _Pragma("GCC unroll 4") for (int m = 0; m < M; m++) {
-                acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), d, acc[m][v]);
-                acc[m][v] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), low, acc[m][v]);
+                const float s = xscale[m * groups + g];
+                acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[m][v]);
+                acc[m][v] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g] * s), low, acc[m][v]);
             }
         }
     }
     _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
         const int64_t c = n + v * LANES;
         const __m512 b = bias ? _mm512_loadu_ps(bias + c) : _mm512_setzero_ps();
-        _Pragma("GCC unroll 4") for (int m = 0; m < M; m++)
-            _mm512_storeu_ps(y + m * N + c, _mm512_fmadd_ps(acc[m][v], _mm512_set1_ps(xscale[m]), b));
+        _Pragma("GCC unroll 4") for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * N + c, _mm512_add_ps(acc[m][v], b));
     }
 }
 
@@ -107,39 +109,39 @@ static void rows(int M, const int8_t *xq, const float *xsum, const float *xscale
     }
 }
 
-/* x [M, K] float32 → xq [M, K] int8, xscale [M] and xsum [M, K / G] (each group's Σ q). */
+/* x [M, K] float32 → xq [M, K] int8, and for each group of each row its scale
+   xscale [M, K / G] (max|x| / 127 over the group) and xsum [M, K / G] (Σ q). */
 static void quantize(const float *x, int8_t *xq, float *xscale, float *xsum, int64_t M, int64_t K) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *row = x + m * K;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
-        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < K / G; g++) {
+            const float *part = x + m * K + g * G;
+            float amax = 0.0f;
+            for (int k = 0; k < G; k++) amax = fmaxf(amax, fabsf(part[k]));
+            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
             int32_t sum = 0;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                float q = nearbyintf(row[k] / s);
+            for (int k = 0; k < G; k++) {
+                float q = nearbyintf(part[k] / s);
                 q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-                xq[m * K + k] = (int8_t)q;
+                xq[m * K + g * G + k] = (int8_t)q;
                 sum += (int32_t)q;
             }
+            xscale[m * (K / G) + g] = s;
             xsum[m * (K / G) + g] = (float)sum;
         }
-        xscale[m] = s;
-    }
 }
 
-/* N % 16 == 0, K % G == 0; any M. scratch: M * (K + 4 * (K / G) + 4) bytes, 4-aligned.
+/* N % 16 == 0, K % G == 0; any M. scratch: M * (K + 8 * (K / G)) bytes, 4-aligned.
    bias may be NULL. */
 void tandem_i4w_linear(const float *x, const uint8_t *w, const float *bias, float *y, uint8_t *scratch, int64_t M,
                        int64_t N, int64_t K, int threads) {
-    float *xscale = (float *)scratch, *xsum = xscale + M;
+    float *xscale = (float *)scratch, *xsum = xscale + M * (K / G);
     int8_t *xq = (int8_t *)(xsum + M * (K / G));
     quantize(x, xq, xscale, xsum, M, K);
     const int64_t nblocks = N / BLOCK + (N % BLOCK) / LANES;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int now = (int)(M - m0 < ROWS ? M - m0 : ROWS);
         const int8_t *q = xq + m0 * K;
-        const float *sums = xsum + m0 * (K / G), *scales = xscale + m0;
+        const float *sums = xsum + m0 * (K / G), *scales = xscale + m0 * (K / G);
         float *out = y + m0 * N;
         if (threads <= 1) {
             rows(now, q, sums, scales, w, bias, out, N, K, 0, nblocks);

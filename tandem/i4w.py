@@ -14,11 +14,18 @@ one token, distinct weights so that nothing stays cached:
 
 The weights are those of aten's int4 path (cheap.quantize_groups: groups of 32
 input channels, 16 levels between the group's min and max); the group's scale
-and low value are held in fp16. Each row of activations is quantized to int8
-with its own scale (max|x| / 127), so a row's output does not depend on the
-other rows of its forward: a token's draft probabilities are the same whether
-it was fed alone or in a catch-up, and a seeded sampled run gives the same
-tokens with the pipeline on and off."""
+and low value are held in fp16. The activations are quantized to int8 in the
+same groups of 32, each group of each token with its own scale (max|x| / 127),
+so a row's output does not depend on the other rows of its forward: a token's
+draft probabilities are the same whether it was fed alone or in a catch-up, and
+a seeded sampled run gives the same tokens with the pipeline on and off.
+
+Agreement of the draft's greedy token with the float32 target's along the
+target's greedy output (4 prompts × 128 tokens, prompt in one forward, then a
+token a forward, 32k head; Zen 4 VM, 2026-11-26): float32 0.781, int8 on FBGEMM
+0.775, int4 on this kernel 0.768 (the same with one activation scale per token
+instead of per group), int4 weights with float32 activations 0.779. Each
+hundredth is about 5 of the 512 positions."""
 from __future__ import annotations
 
 import ctypes
@@ -75,7 +82,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     if lib is None:
         raise RuntimeError(f"the i4w kernel is unavailable: {unavailable()}")
     rows, cols = x.shape
-    scratch = torch.empty(rows * (cols + 4 * (cols // GROUP) + 4), dtype=torch.uint8)
+    scratch = torch.empty(rows * (cols + 8 * (cols // GROUP)), dtype=torch.uint8)
     y = torch.empty(rows, out_features)
     lib.tandem_i4w_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
                           scratch.data_ptr(), rows, out_features, cols, torch.get_num_threads())

@@ -178,12 +178,12 @@ def test_int4_linear_computes_its_group_quantized_weights(out_features, bias, ke
 
 @pytest.mark.parametrize("out_features", [16, 80, 208])
 def test_vnni_int4_kernel_computes_each_row_on_its_own(out_features):
-    """tandem/i4w.c: each row of x quantized to int8 with its own scale, times
-    the packed codes, scales and low values, gives the test's own float64
-    reference to float32 rounding; and a row's output is bit for bit the same
-    whatever the other rows of its forward and the number of threads (a
-    draft's token gets the same probabilities alone or in a catch-up). Widths
-    of 16, 64 + 16 and 3 × 64 + 16 take both kinds of column block."""
+    """tandem/i4w.c: each group of 32 of each row of x quantized to int8 with its
+    own scale, times the packed codes, scales and low values, gives the test's
+    own float64 reference to float32 rounding; and a row's output is bit for bit
+    the same whatever the other rows of its forward and the number of threads
+    (a draft's token gets the same probabilities alone or in a catch-up).
+    Widths of 16, 64 + 16 and 3 × 64 + 16 take both kinds of column block."""
     import torch
 
     from draft_service.cheap import quantize_groups
@@ -198,16 +198,21 @@ def test_vnni_int4_kernel_computes_each_row_on_its_own(out_features):
     packed = i4w.pack(codes, scale, low)
     bias = torch.randn(out_features)
     x = torch.randn(7, 128) * torch.tensor([1.0, 0.01, 5.0, 1.0, 0.0, 2.0, 1.0])[:, None]  # a zero row too
+    x[6, 3] = 300.0  # one large channel: it coarsens its own group's int8 steps only
     y = i4w.linear(x, packed, bias, out_features)
 
     held = lambda t: t.to(torch.float16).double()[..., None]  # scale and low as the kernel holds them
     dequantized = (codes.double().reshape(out_features, -1, i4w.GROUP) * held(scale) + held(low)).reshape(weight.shape)
-    row_scale = (x.abs().amax(1, keepdim=True) / 127).double()
-    row_scale[row_scale == 0] = 1
-    quantized = torch.round(x.double() / row_scale).clamp(-127, 127)
-    reference = (quantized @ dequantized.T) * row_scale + bias.double()
+    groups = x.double().reshape(7, -1, i4w.GROUP)
+    group_scale = groups.abs().amax(-1, keepdim=True) / 127
+    group_scale[group_scale == 0] = 1
+    quantized = (torch.round(groups / group_scale).clamp(-127, 127) * group_scale).reshape(x.shape)
+    reference = quantized @ dequantized.T + bias.double()
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4)
     assert torch.equal(y[4], bias)  # a zero row gives the bias alone
+    exact = x.double() @ dequantized.T + bias.double()  # activations unquantized
+    without_outlier = exact[6] - x[6, 3].double() * dequantized[:, 3]
+    assert (y[6].double() - exact[6]).abs().max() < 0.05 * without_outlier.abs().max()
 
     threads = torch.get_num_threads()
     try:
