@@ -101,7 +101,8 @@ class Int4Linear(torch.nn.Module):
       are bf16. Output rows are padded to the kernel's multiple of 16 and cut
       off again.
     - "vnni": tandem/i4w.c, the same weights (scales held in fp16) times
-      activations quantized to int8 a row at a time; float32 in and out.
+      activations quantized to int8 a row (token) at a time, in groups of 32;
+      float32 in and out.
     A forward of more than `wide_rows` rows runs an int8 copy of the layer
     (quantize_int8) instead; None keeps no copy."""
 

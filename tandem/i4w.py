@@ -5,7 +5,7 @@ Why: a draft step streams all of the draft's weights for one token, so it costs
 what its bytes cost. On a 2-core Zen 4 EPYC VM (AVX512-VNNI, no AMX, one thread;
 2026-11-26), all of the default draft's linear layers and its 32k-token head,
 one token, distinct weights so that nothing stays cached:
-- int8 weights and activations on FBGEMM (quantize_dynamic): 27–29 ms
+- int8 weights and activations on FBGEMM (quantize_dynamic): 26.8–34.5 ms
   (about 387 MB);
 - int4 weights on aten's CPU kernel: slower than int8 there (the draft step
   34.5–36.4 ms against 30.3–33.8: it needs native bf16 matmuls to be fast);
@@ -33,13 +33,15 @@ from pathlib import Path
 
 import torch
 
-from tandem.ckernel import CKernel
+from tandem.ckernel import CKernel, cpu_capability
 
 GROUP = 32  # input channels per scale, fixed in the C source
 UNIT = 320  # bytes of one group of 16 columns: 256 of codes, 32 of scales, 32 of low values
 
 
 def _flags() -> list[str]:
+    if cpu_capability() != "AVX512":  # never load AVX-512 code on a CPU without it; VNNI is checked after loading
+        raise RuntimeError("this CPU has no AVX-512")
     return ["-mavx512f", "-mavx512bw", "-mavx512vnni"]
 
 
