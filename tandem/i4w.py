@@ -80,10 +80,12 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.T
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [M, K] float32 contiguous → [M, out_features] float32 (bias float32 or None)."""
+    assert x.ndim == 2 and x.dtype == torch.float32 and x.is_contiguous(), (x.shape, x.dtype)
     lib = library()
     if lib is None:
         raise RuntimeError(f"the i4w kernel is unavailable: {unavailable()}")
-    rows, cols = x.shape
+    rows, cols = x.shape  # [M, K]
+    assert packed.numel() == out_features * cols * UNIT // (16 * GROUP), (packed.numel(), out_features, cols)
     scratch = torch.empty(rows * (cols + 8 * (cols // GROUP)), dtype=torch.uint8)
     y = torch.empty(rows, out_features)
     lib.tandem_i4w_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
