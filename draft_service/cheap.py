@@ -37,6 +37,7 @@ import logging
 
 import torch
 
+from tandem import i4w
 from tandem.cpu_kernels import pack_linear, replace_linears
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,6 @@ def int4_kernel() -> str:
     """Which kernel Int4Linear multiplies with by default: aten's on a CPU with
     AMX (measured there, bf16 activations), tandem/i4w.c's where the CPU has
     AVX512-VNNI (tandem/i4w.py has the measurements), else aten's."""
-    from tandem import i4w
     from tandem.cpu_kernels import amx_bf16
 
     if amx_bf16() or i4w.unavailable() is not None:
@@ -109,8 +109,6 @@ class Int4Linear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, group: int = INT4_GROUP, wide_rows: int | None = INT4_WIDE_ROWS,
                  kernel: str | None = None):
         super().__init__()
-        from tandem import i4w
-
         kernel = kernel or int4_kernel()
         if kernel not in ("aten", "vnni"):
             raise ValueError(f"int4 kernel must be 'aten' or 'vnni', got {kernel!r}")
@@ -153,8 +151,6 @@ class Int4Linear(torch.nn.Module):
         if self.wide is not None and flat.shape[0] > self.wide_rows:
             return self.wide(flat.float()).to(self.output_dtype).reshape(*x.shape[:-1], self.out_features)
         if self.kernel == "vnni":
-            from tandem import i4w
-
             y = i4w.linear(flat.float().contiguous(), self.packed, self.bias, self.padded_out)
             return y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         flat = flat.to(torch.bfloat16)

@@ -57,6 +57,8 @@ class CKernel:
     def library(self) -> ctypes.CDLL | None:
         """The compiled kernel, built on first use; None (and why in
         unavailable()) where the CPU or the machine cannot run it."""
+        if self._library is not None:  # every layer call asks: no lock once loaded
+            return self._library
         with self._lock:
             if self._library is not None or self._failure is not None:
                 return self._library
