@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("qwen2", "llama", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq fixed at load, whatever the length
-LEAN_STEP = ("auto", "on", "off")
+LEAN_STEP = ("auto", "on", "aten", "off")  # aten: lean, without the fused i4w layers
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -139,7 +139,7 @@ class LeanRunner:
     caches, for the models `unsupported` accepts. `before_layer`, when set, runs
     before each layer (the drafter's cancellation check)."""
 
-    def __init__(self, loaded, device: str):
+    def __init__(self, loaded, device: str, fused: bool = True):
         self.loaded = loaded
         self.model = model = loaded.model
         self.device = torch.device(device)
@@ -156,6 +156,9 @@ class LeanRunner:
         self.rotary_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self.before_layer: Callable[[], None] | None = None
+        self.fused = _FusedLayers.build(base.layers, self) if fused else None
+        if self.fused is not None:
+            log.info("draft steps of up to %d tokens run their layers in tandem/i4w.c", FUSED_ROWS)
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
@@ -177,6 +180,13 @@ class LeanRunner:
         kv.reserve(end)
         self._rotary_table(end)
         cos, sin = self.cos[start:end], self.sin[start:end]
+        if self.fused is not None and count <= FUSED_ROWS:
+            if self.before_layer is not None:
+                self.before_layer()  # the only check: the layers run in one C call
+            x = self.embedding[torch.tensor(tokens, device=self.device)]  # [T, hidden], a copy
+            self.fused(x, kv, start, cos, sin)
+            kv.length = end
+            return x
         mask = None if count == 1 else torch.ones(count, end, dtype=torch.bool, device=self.device).tril(start)
         x = self.embedding[torch.tensor(tokens, device=self.device)]  # [T, hidden]
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
@@ -210,9 +220,66 @@ class LeanRunner:
         return self.norm(self._hidden(kv, tokens)[-1:])[0]
 
 
+FUSED_ROWS = 16  # longer feeds (a prompt) take the per-op path, whose int4 layers then run their int8 copies
+
+
+class _FusedLayers:
+    """The layer stack as one call of tandem/i4w.c (tandem_i4w_layers), for a
+    float32 model whose every projection is an Int4Linear on the vnni kernel
+    (the int4 draft on a CPU with AVX512-VNNI and no AMX). The per-op path and
+    this compute the same function up to float32 rounding (another softmax and
+    exp); each keeps every row independent of the others in its forward."""
+
+    def __init__(self, table: torch.Tensor, keep: list[torch.Tensor], shape: dict, eps: tuple[float, float]):
+        self.table, self._keep, self.shape, self.eps = table, keep, shape, eps
+
+    @classmethod
+    def build(cls, layers, runner: "LeanRunner") -> "_FusedLayers | None":
+        from draft_service.cheap import Int4Linear
+        from tandem import i4w
+
+        if runner.device.type != "cpu" or runner.dtype != torch.float32 or i4w.library() is None:
+            return None
+        if runner.head_dim % 2 or runner.head_dim > 512:
+            return None
+        rows, keep, eps = [], [], set()
+        shape = dict(hidden=runner.embedding.shape[1], heads=runner.heads, kv_heads=runner.kv_heads,
+                     head_dim=runner.head_dim, intermediate=None)
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            modules = [getattr(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            modules += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+            if not all(isinstance(m, Int4Linear) and m.kernel == "vnni" and m.padded_out == m.out_features
+                       for m in modules):
+                return None
+            shape["intermediate"] = modules[4].out_features
+            norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm)]
+            eps.add((float(layer.input_layernorm.variance_epsilon),
+                     float(layer.post_attention_layernorm.variance_epsilon)))
+            keep += norms
+            rows.append([m.packed.data_ptr() for m in modules]
+                        + [0 if m.bias is None else m.bias.data_ptr() for m in modules]
+                        + [t.data_ptr() for t in norms])
+        sizes = (shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"],
+                 shape["intermediate"])
+        if len(eps) != 1 or any(n % 16 for n in sizes):
+            return None
+        table = torch.tensor(rows, dtype=torch.int64)
+        assert table.shape[1] == len(i4w.LAYER_SLOTS), table.shape
+        return cls(table, keep, shape, eps.pop())
+
+    def __call__(self, x: torch.Tensor, kv: "StaticKV", start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        from tandem import i4w
+
+        i4w.layers(self.table, x, self.shape, self.eps, kv.keys, kv.values, start, cos.contiguous(),
+                   sin.contiguous())
+
+
 def lean_runner(loaded, device: str, choice: str) -> LeanRunner | None:
-    """LeanRunner for --lean-step on, or auto on a CPU, when the model allows it;
-    None for off (and auto on a GPU, where it is not measured yet)."""
+    """LeanRunner for --lean-step on or aten, or auto on a CPU, when the model
+    allows it (aten: without the fused i4w layers); None for off (and auto on a
+    GPU, where it is not measured yet)."""
     if choice not in LEAN_STEP:
         raise ValueError(f"lean_step must be one of {LEAN_STEP}, got {choice!r}")
     if choice == "off" or (choice == "auto" and device != "cpu"):
@@ -220,8 +287,8 @@ def lean_runner(loaded, device: str, choice: str) -> LeanRunner | None:
     reason = unsupported(loaded.model)
     if reason is None:
         log.info("draft steps run the lean forward (StaticKV)")
-        return LeanRunner(loaded, device)
-    if choice == "on":
+        return LeanRunner(loaded, device, fused=choice != "aten")
+    if choice in ("on", "aten"):
         raise ValueError(f"--lean-step on: the draft model is not supported: {reason}")
     log.info("draft steps run Hugging Face's forward: the lean forward does not support %s", reason)
     return None

@@ -23,6 +23,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define G 32
@@ -153,4 +154,157 @@ void tandem_i4w_linear(const float *x, const uint8_t *w, const float *bias, floa
             rows(now, q, sums, scales, w, bias, out, N, K, nblocks * t / T, nblocks * (t + 1) / T);
         }
     }
+}
+
+/* ---- The draft's decoder layers for a few tokens in one call (draft_service.lean) ----
+   A draft step of the default draft spends about 10 ms in the layers above and,
+   on a one-thread VM, 7-10 ms more in the Python and aten calls around them
+   (about 40 small ops a layer). This runs a Llama-family layer stack
+   (RMSNorm, rotary, grouped-query attention, gated SiLU MLP) on the i4w
+   layers in C. Every row is computed on its own, as in the kernel above: its
+   attention reads the positions up to its own, so a token's hidden state does
+   not depend on how many tokens were fed with it. Not bit-equal to the aten
+   path (another softmax and exp), which only the draft's agreement can feel:
+   the target verifies every token. */
+
+/* e^x for x ≤ 88, the float32 polynomial of Cephes' expf (relative error about 1e-7). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-103.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n); /* y · 2^n */
+}
+
+static inline __mmask16 tail(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+/* out = RMSNorm(x) · weight, over n values (n % 16 == 0). */
+static void rms_norm(const float *x, const float *weight, float eps, float *out, int64_t n) {
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        sq = _mm512_fmadd_ps(v, v, sq);
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), r)));
+}
+
+/* x·cos + rotate_half(x)·sin for `heads` vectors of d values (Hugging Face's rotary). */
+static void rotate(float *x, int heads, int d, const float *cos, const float *sin) {
+    const int half = d / 2;
+    float rotated[512];
+    for (int h = 0; h < heads; h++) {
+        float *v = x + (int64_t)h * d;
+        for (int i = 0; i < half; i++) {
+            rotated[i] = -v[half + i];
+            rotated[half + i] = v[i];
+        }
+        for (int i = 0; i < d; i++) v[i] = v[i] * cos[i] + rotated[i] * sin[i];
+    }
+}
+
+/* One row's attention for one head: softmax(q·Kᵀ / √d) · V over positions [0, len). */
+static void attend(const float *q, const float *keys, const float *values, int64_t len, int d, float *scores,
+                   float *out) {
+    const float scale = 1.0f / sqrtf((float)d);
+    float top = -INFINITY;
+    for (int64_t j = 0; j < len; j++) {
+        const float *k = keys + j * d;
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < d; i += 16) {
+            const __mmask16 m = tail(d - i);
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), _mm512_maskz_loadu_ps(m, k + i), acc);
+        }
+        scores[j] = _mm512_reduce_add_ps(acc) * scale;
+        top = fmaxf(top, scores[j]);
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 m = tail(len - j);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), _mm512_set1_ps(top)));
+        _mm512_mask_storeu_ps(scores + j, m, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(total);
+    for (int i = 0; i < d; i += 16) {
+        const __mmask16 m = tail(d - i);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, values + j * d + i), acc);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    }
+}
+
+enum { WQ, WK, WV, WO, WGATE, WUP, WDOWN, BQ, BK, BV, BO, BGATE, BUP, BDOWN, NORM1, NORM2, SLOTS };
+
+/* x [M, H] (the rows' embeddings) → the last layer's output, in place. table:
+   SLOTS addresses a layer (packed weights, biases or 0, the two norms' weights).
+   keys, values: [L, kv_heads, capacity, d]; the rows take positions start …
+   start + M - 1 and are written there. cos, sin: [M, d], the rows' rotary tables.
+   H, heads · d, kv_heads · d and I multiples of 16; d ≤ 512 and even. */
+int tandem_i4w_layers(const int64_t *table, int L, float *x, int M, int H, int heads, int kv_heads, int d, int I,
+                      float eps1, float eps2, float *keys, float *values, int64_t capacity, int64_t start,
+                      const float *cos, const float *sin, int threads) {
+    const int64_t QD = (int64_t)heads * d, KD = (int64_t)kv_heads * d, widest = I > H ? I : H;
+    const int64_t floats = M * (H + QD + 2 * KD + QD + 2 * I + H) + start + M;
+    float *work = malloc(floats * sizeof(float));
+    uint8_t *scratch = malloc(M * (widest + 8 * (widest / G)) + 64);
+    if (!work || !scratch) {
+        free(work);
+        free(scratch);
+        return -1;
+    }
+    float *h = work, *q = h + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *gate = att + M * QD,
+          *up = gate + M * I, *out = up + M * I, *scores = out + M * H;
+    const int group = heads / kv_heads;
+    for (int l = 0; l < L; l++) {
+        const int64_t *t = table + (int64_t)l * SLOTS;
+#define W(slot) ((const uint8_t *)(intptr_t)t[slot])
+#define F(slot) ((const float *)(intptr_t)t[slot])
+        for (int m = 0; m < M; m++) rms_norm(x + m * H, F(NORM1), eps1, h + m * H, H);
+        tandem_i4w_linear(h, W(WQ), F(BQ), q, scratch, M, QD, H, threads);
+        tandem_i4w_linear(h, W(WK), F(BK), k, scratch, M, KD, H, threads);
+        tandem_i4w_linear(h, W(WV), F(BV), v, scratch, M, KD, H, threads);
+        float *K = keys + (int64_t)l * kv_heads * capacity * d, *V = values + (int64_t)l * kv_heads * capacity * d;
+        for (int m = 0; m < M; m++) {
+            rotate(q + m * QD, heads, d, cos + (int64_t)m * d, sin + (int64_t)m * d);
+            rotate(k + m * KD, kv_heads, d, cos + (int64_t)m * d, sin + (int64_t)m * d);
+            for (int kh = 0; kh < kv_heads; kh++) {
+                memcpy(K + (kh * capacity + start + m) * d, k + m * KD + kh * d, d * sizeof(float));
+                memcpy(V + (kh * capacity + start + m) * d, v + m * KD + kh * d, d * sizeof(float));
+            }
+        }
+        for (int m = 0; m < M; m++)
+            for (int hh = 0; hh < heads; hh++) {
+                const int kh = hh / group;
+                attend(q + m * QD + hh * d, K + kh * capacity * d, V + kh * capacity * d, start + m + 1, d, scores,
+                       att + m * QD + hh * d);
+            }
+        tandem_i4w_linear(att, W(WO), F(BO), out, scratch, M, H, QD, threads);
+        for (int64_t i = 0; i < M * H; i++) x[i] += out[i];
+        for (int m = 0; m < M; m++) rms_norm(x + m * H, F(NORM2), eps2, h + m * H, H);
+        tandem_i4w_linear(h, W(WGATE), F(BGATE), gate, scratch, M, I, H, threads);
+        tandem_i4w_linear(h, W(WUP), F(BUP), up, scratch, M, I, H, threads);
+        for (int64_t i = 0; i < M * I; i += 16) { /* silu(gate) · up */
+            const __m512 g = _mm512_loadu_ps(gate + i);
+            const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_storeu_ps(gate + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+        }
+        tandem_i4w_linear(gate, W(WDOWN), F(BDOWN), out, scratch, M, H, I, threads);
+        for (int64_t i = 0; i < M * H; i++) x[i] += out[i];
+#undef W
+#undef F
+    }
+    free(work);
+    free(scratch);
+    return 0;
 }

@@ -52,6 +52,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         raise RuntimeError("this CPU has no AVX512-VNNI (with AVX512-BW)")
     lib.tandem_i4w_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tandem_i4w_linear.restype = None
+    lib.tandem_i4w_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6
+                                      + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                                      + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    lib.tandem_i4w_layers.restype = ctypes.c_int
 
 
 KERNEL = CKernel("i4w", Path(__file__).with_name("i4w.c"), _flags, _declare)
@@ -91,3 +95,34 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out
     lib.tandem_i4w_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
                           scratch.data_ptr(), rows, out_features, cols, torch.get_num_threads())
     return y
+
+
+# The addresses tandem_i4w_layers reads for each layer, in its order (the C enum).
+LAYER_SLOTS = ("q", "k", "v", "o", "gate", "up", "down", "q_bias", "k_bias", "v_bias", "o_bias", "gate_bias",
+               "up_bias", "down_bias", "norm1", "norm2")
+
+
+def layers(table: torch.Tensor, x: torch.Tensor, shape: dict, eps: tuple[float, float], keys: torch.Tensor,
+           values: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Runs x [M, hidden] float32 through the layers of `table` (int64 [layers,
+    len(LAYER_SLOTS)] addresses) in place, writing the rows' keys and values at
+    positions start … start + M - 1 of keys, values [layers, kv_heads,
+    capacity, head_dim]. shape: hidden, heads, kv_heads, head_dim, intermediate.
+    cos, sin: [M, head_dim] float32, the rows' rotary tables."""
+    rows, hidden = x.shape
+    layer_count, kv_heads, capacity, head_dim = keys.shape
+    assert x.dtype == torch.float32 and x.is_contiguous() and hidden == shape["hidden"], (x.shape, x.dtype)
+    assert table.dtype == torch.int64 and table.shape == (layer_count, len(LAYER_SLOTS)), table.shape
+    assert keys.dtype == values.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
+    assert values.shape == keys.shape and kv_heads == shape["kv_heads"] and head_dim == shape["head_dim"]
+    assert start + rows <= capacity and cos.shape == sin.shape == (rows, head_dim), (start, rows, capacity, cos.shape)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the i4w kernel is unavailable: {unavailable()}")
+    failed = lib.tandem_i4w_layers(table.data_ptr(), layer_count, x.data_ptr(), rows, hidden, shape["heads"], kv_heads,
+                                   head_dim, shape["intermediate"], eps[0], eps[1], keys.data_ptr(),
+                                   values.data_ptr(), capacity, start, cos.data_ptr(), sin.data_ptr(),
+                                   torch.get_num_threads())
+    if failed:
+        raise MemoryError("tandem_i4w_layers could not allocate its work space")

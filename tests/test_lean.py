@@ -99,6 +99,37 @@ def test_lean_forward_matches_hugging_face_on_the_vnni_int4_kernel(tiny_models):
     assert clear >= 13  # of 26 positions
 
 
+@pytest.mark.skipif(i4w.unavailable() is not None, reason=f"i4w kernel: {i4w.unavailable()}")
+def test_the_fused_i4w_layers_match_the_per_op_path_and_keep_each_row_on_its_own(tiny_models):
+    """With every projection int4 on the vnni kernel, feeds of up to 16 tokens
+    run the layer stack in one C call (tandem_i4w_layers). It computes the
+    per-op lean forward's function (another softmax: not bit for bit), and a
+    token's hidden state is the same bits whether it was fed alone or with
+    others, so a seeded sampled run cannot depend on how the draft was fed."""
+    loaded = load(ModelConfig(tiny_models["other"], dtype="float32", linear="native"), pack=False)
+    loaded = replace(loaded, model=quantize_int4(loaded.model, kernel="vnni"))
+    torch.manual_seed(3)
+    for layer in loaded.model.base_model.layers:  # the tiny model's norms are all ones: make each its own
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data.uniform_(0.5, 1.5)
+    fused, per_op = lean_runner(loaded, "cpu", "auto"), lean_runner(loaded, "cpu", "aten")
+    assert fused.fused is not None and per_op.fused is None
+    prompt = [(7 * i + 3) % 60 + 1 for i in range(20)]  # > 16 tokens: the per-op path in both
+    with torch.inference_mode():
+        kv, reference_kv = fused.new_cache(), per_op.new_cache()
+        for chunk in (prompt, [9], [11], [2, 3, 1], [17] * 16, [8]):
+            got, expected = fused._hidden(kv, chunk), per_op._hidden(reference_kv, chunk)
+            torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(kv.keys[:, :, :kv.length], reference_kv.keys[:, :, :kv.length],
+                                       atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(kv.values[:, :, :kv.length], reference_kv.values[:, :, :kv.length],
+                                       atol=2e-3, rtol=2e-3)
+        together = fused._hidden(kv, [4, 5, 6, 7])
+        kv.crop(-4)
+        alone = torch.cat([fused._hidden(kv, [token]) for token in (4, 5, 6, 7)])
+    assert torch.equal(together, alone)
+
+
 def test_the_cache_grows_and_keeps_what_it_held(tiny_models):
     """200 tokens fit the first 256 positions; a 100-token catch-up doubles the
     cache and copies them over."""
