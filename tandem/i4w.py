@@ -25,7 +25,10 @@ target's greedy output (4 prompts × 128 tokens, prompt in one forward, then a
 token a forward, 32k head; Zen 4 VM, 2026-11-26): float32 0.781, int8 on FBGEMM
 0.775, int4 on this kernel 0.768 (the same with one activation scale per token
 instead of per group), int4 weights with float32 activations 0.779. Each
-hundredth is about 5 of the 512 positions."""
+hundredth is about 5 of the 512 positions.
+
+`layers` runs a Llama-family layer stack on these layers in one C call, for
+the draft's lean step (draft_service.lean)."""
 from __future__ import annotations
 
 import ctypes
