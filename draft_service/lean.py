@@ -235,7 +235,10 @@ class _FusedLayers:
     exp); each keeps every row independent of the others in its forward."""
 
     def __init__(self, table: torch.Tensor, keep: list[torch.Tensor], shape: dict, eps: tuple[float, float]):
+        from tandem import i4w
+
         self.table, self._keep, self.shape, self.eps = table, keep, shape, eps
+        self._layers = i4w.layers  # bound once: no import on the per-step path
 
     @classmethod
     def build(cls, layers, runner: "LeanRunner") -> "_FusedLayers | None":
@@ -274,9 +277,7 @@ class _FusedLayers:
         return cls(table, keep, shape, eps.pop())
 
     def __call__(self, x: torch.Tensor, kv: "StaticKV", start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        from tandem import i4w
-
-        i4w.layers(self.table, x, self.shape, self.eps, kv.keys, kv.values, start, cos.contiguous(),
+        self._layers(self.table, x, self.shape, self.eps, kv.keys, kv.values, start, cos.contiguous(),
                    sin.contiguous())
 
 
