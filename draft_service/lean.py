@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tandem import i4w
+
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = ("qwen2", "llama", "mistral")
@@ -235,15 +237,11 @@ class _FusedLayers:
     exp); each keeps every row independent of the others in its forward."""
 
     def __init__(self, table: torch.Tensor, keep: list[torch.Tensor], shape: dict, eps: tuple[float, float]):
-        from tandem import i4w
-
         self.table, self._keep, self.shape, self.eps = table, keep, shape, eps
-        self._layers = i4w.layers  # bound once: no import on the per-step path
 
     @classmethod
     def build(cls, layers, runner: "LeanRunner") -> "_FusedLayers | None":
         from draft_service.cheap import Int4Linear
-        from tandem import i4w
 
         if runner.device.type != "cpu" or runner.dtype != torch.float32 or i4w.library() is None:
             return None
@@ -277,7 +275,7 @@ class _FusedLayers:
         return cls(table, keep, shape, eps.pop())
 
     def __call__(self, x: torch.Tensor, kv: "StaticKV", start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self._layers(self.table, x, self.shape, self.eps, kv.keys, kv.values, start, cos.contiguous(),
+        i4w.layers(self.table, x, self.shape, self.eps, kv.keys, kv.values, start, cos.contiguous(),
                    sin.contiguous())
 
 
