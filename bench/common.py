@@ -51,6 +51,7 @@ class ModeResult:
     overhead_ms_per_round_p50: float | None = None
     overhead_ms_predrafted_p50: float | None = None  # rounds whose next block was pre-drafted: one call
     overhead_ms_drafted_after_p50: float | None = None  # the next block drafted after the reply: two calls
+    overhead_in_services_ms_p50: float | None = None  # of the overhead: the services' handlers beyond compute
     handover_ms_per_round_p50: float | None = None  # Redis commit + stream write, off the critical path
     verify_ms_p50: float | None = None  # the target's compute per verify (median over prompts of per-prompt medians)
     draft_step_ms_p50: float | None = None
@@ -192,6 +193,7 @@ class TandemTally:
     overheads: list[float] = field(default_factory=list)
     predrafted: list[float] = field(default_factory=list)
     drafted_after: list[float] = field(default_factory=list)
+    in_services: list[float] = field(default_factory=list)
     handovers: list[float] = field(default_factory=list)
     verifies: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
@@ -220,6 +222,8 @@ class TandemTally:
             self.predrafted.append(s.overhead_ms_p50_predrafted)
         if s.overhead_ms_p50_drafted_after:
             self.drafted_after.append(s.overhead_ms_p50_drafted_after)
+        if s.overhead_in_services_ms_p50:
+            self.in_services.append(s.overhead_in_services_ms_p50)
         self.handovers.append(s.handover_ms_p50)
         if s.verify_ms_p50:
             self.verifies.append(s.verify_ms_p50)
@@ -246,6 +250,7 @@ class TandemTally:
         r.overhead_ms_per_round_p50 = median(self.overheads)
         r.overhead_ms_predrafted_p50 = median(self.predrafted)
         r.overhead_ms_drafted_after_p50 = median(self.drafted_after)
+        r.overhead_in_services_ms_p50 = median(self.in_services)
         r.handover_ms_per_round_p50 = median(self.handovers)
         r.verify_ms_p50 = median(self.verifies)
         r.draft_step_ms_p50 = median(self.steps)

@@ -400,6 +400,10 @@ def main(argv=None) -> int:
         print(f"(d)'s overhead p50 {adaptive.overhead_ms_per_round_p50:.2f} ms: {adaptive.overhead_ms_predrafted_p50:.2f} ms "
               f"over rounds whose next block was pre-drafted (one model call on the critical path), "
               f"{adaptive.overhead_ms_drafted_after_p50:.2f} ms over those drafted after the verify (two)")
+    for label, r in (("(b)", sequential), ("(d)", adaptive)):
+        if r.overhead_in_services_ms_p50 is not None and r.overhead_ms_per_round_p50 is not None:
+            print(f"{label}'s overhead p50 {r.overhead_ms_per_round_p50:.2f} ms: {r.overhead_in_services_ms_p50:.2f} ms p50 "
+                  f"in the services' handlers beyond their compute, the rest gRPC both ways and the orchestrator")
     best_name, best_tok_s = best_ceiling(modes)
     if best_tok_s and sequential.tok_s:
         print(f"the highest pipelined ceiling, {best_name}'s {best_tok_s:.2f} tok/s, is "
@@ -420,6 +424,7 @@ def main(argv=None) -> int:
         "overhead_ms_per_round_p50": adaptive.overhead_ms_per_round_p50,
         "overhead_ms_per_round_p50_predrafted": adaptive.overhead_ms_predrafted_p50,
         "overhead_ms_per_round_p50_drafted_after": adaptive.overhead_ms_drafted_after_p50,
+        "overhead_in_services_ms_p50": adaptive.overhead_in_services_ms_p50,
         "handover_ms_per_round_p50": adaptive.handover_ms_per_round_p50,
         "target_alone_ms_per_token": ms_per_token,
         "sequential_verify_ms_p50": sequential.verify_ms_p50,
@@ -431,6 +436,7 @@ def main(argv=None) -> int:
         "pipelined_ceiling_best_vs_sequential": best_tok_s / sequential.tok_s if best_tok_s else None,
         "pipelined_ceiling_best_vs_target_one_node": best_tok_s / baseline.tok_s if best_tok_s else None,
         "sequential_overhead_ms_per_round_p50": sequential.overhead_ms_per_round_p50,
+        "sequential_overhead_in_services_ms_p50": sequential.overhead_in_services_ms_p50,
         "device": args.device,
         "dtype": args.dtype,
         "baselines": [config_label(*c) for c in configs],

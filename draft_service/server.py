@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 
 from draft_service.cheap import (QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel, quantize_int4,
@@ -150,6 +151,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             yield result
 
     async def Propose(self, request, context):
+        started = time.perf_counter()
         with telemetry.server_span(f"{SERVICE_NAME}/Propose", context) as span:
             call = await self.checked_call(context, request)
             if span.is_recording():
@@ -173,6 +175,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 cropped_tokens=proposal.cropped,
                 compute_ms=proposal.compute_ms,
                 step_ms=proposal.step_ms,
+                handler_ms=(time.perf_counter() - started) * 1e3,
             )
 
 

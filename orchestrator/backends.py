@@ -36,6 +36,7 @@ class DraftBlock:
     prefilled: int = 0
     compute_ms: float = 0.0
     step_ms: float = 0.0
+    handler_ms: float = 0.0  # in the service's handler, compute included (0: not reported)
     latency_ms: float = 0.0  # as seen by the orchestrator
 
     def drop_first(self) -> "DraftBlock":
@@ -46,6 +47,7 @@ class DraftBlock:
             distributions=self.distributions[1:],
             compute_ms=self.compute_ms,
             step_ms=self.step_ms,
+            handler_ms=self.handler_ms,
         )
 
 
@@ -55,6 +57,7 @@ class VerifyResult:
     next_token: int
     prefilled: int = 0
     compute_ms: float = 0.0
+    handler_ms: float = 0.0  # in the service's handler, compute included (0: not reported)
     latency_ms: float = 0.0
 
 
@@ -163,6 +166,7 @@ class GrpcProposer(_GrpcClient):
             prefilled=reply.prefilled_tokens,
             compute_ms=reply.compute_ms,
             step_ms=reply.step_ms,
+            handler_ms=reply.handler_ms,
             latency_ms=(time.perf_counter() - start) * 1e3,
         )
 
@@ -189,5 +193,6 @@ class GrpcVerifier(_GrpcClient):
             next_token=reply.next_token,
             prefilled=reply.prefilled_tokens,
             compute_ms=reply.compute_ms,
+            handler_ms=reply.handler_ms,
             latency_ms=(time.perf_counter() - start) * 1e3,
         )

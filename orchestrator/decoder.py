@@ -44,6 +44,7 @@ class RoundStats:
     overhead_ms: list[float] = field(default_factory=list)
     overhead_predrafted_ms: list[float] = field(default_factory=list)  # the next block was pre-drafted
     overhead_drafted_after_ms: list[float] = field(default_factory=list)  # it was drafted after the reply
+    overhead_in_services_ms: list[float] = field(default_factory=list)  # of each round's overhead: the services' handlers
     handover_ms: list[float] = field(default_factory=list)  # the caller's commit and stream write, per round
     verify_ms: list[float] = field(default_factory=list)  # verifies of a block with at most one prefilled token
     draft_step_ms: list[float] = field(default_factory=list)
@@ -275,7 +276,10 @@ class Decoder:
         caller's commit to Redis and its stream write overlap model work
         (handover_ms). overhead_ms of a round: the wall time from one verify's
         launch to the next, less the services' compute on that path (the
-        verify's, and the draft's while the orchestrator waited for it)."""
+        verify's, and the draft's while the orchestrator waited for it).
+        overhead_in_services_ms: the part of it in the services' handlers
+        beyond their compute (the verify's, and a draft's drafted after its
+        reply; a pre-draft's reply is mostly in hand when the verify's comes)."""
         tasks: list[asyncio.Task | None] = []
         span = self._open_round(predrafted=False)
         try:
@@ -287,6 +291,7 @@ class Decoder:
                 result = await verify_task
                 verified_k = len(block.tokens)
                 waited_ms = result.compute_ms
+                in_services_ms = _in_handler(result)
                 newly = self._commit(block, result)
                 next_block = dropped = None
                 if pre_task is not None and result.accepted < verified_k:
@@ -304,7 +309,7 @@ class Decoder:
                     block, prefetch = next_block, None
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
-                    launched = self._launched(launched, waited_ms, result, verified_k, PREDRAFTED)
+                    launched = self._launched(launched, waited_ms, in_services_ms, result, verified_k, PREDRAFTED)
                 else:
                     prefetch = asyncio.create_task(self._draft(self.policy.k, span))
                     tasks = [prefetch, dropped]
@@ -320,28 +325,32 @@ class Decoder:
                     # needs its block: all of its compute is on the critical path, the
                     # caller's work beside it is not.
                     waited_ms += block.compute_ms
+                    in_services_ms += _in_handler(block)
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
-                    launched = self._launched(launched, waited_ms, result, verified_k, DRAFTED_AFTER)
+                    launched = self._launched(launched, waited_ms, in_services_ms, result, verified_k, DRAFTED_AFTER)
         finally:
             for task in tasks:
                 if task is not None and not task.done():
                     await _cancel(task)
             span.end()  # the round launched when the caller stopped, its calls cancelled
 
-    def _launched(self, previous: float, waited_ms: float, result: VerifyResult, verified_k: int, how: str) -> float:
+    def _launched(self, previous: float, waited_ms: float, in_services_ms: float, result: VerifyResult,
+                  verified_k: int, how: str) -> float:
         """Records the overhead of the round whose verify was launched at
-        `previous`, now that the next verify is launched; returns now."""
+        `previous`, now that the next verify is launched, and the part of it
+        in the services' handlers; returns now."""
         now = time.perf_counter()
         wall_ms = (now - previous) * 1e3
         self.stats.overhead_ms.append(wall_ms - waited_ms)
         by_kind = self.stats.overhead_predrafted_ms if how == PREDRAFTED else self.stats.overhead_drafted_after_ms
         by_kind.append(wall_ms - waited_ms)
+        self.stats.overhead_in_services_ms.append(in_services_ms)
         log.debug("round %d: k %d, accepted %d, alpha %.2f, next k %d / ahead %d, verify %.0f ms (rpc %.1f ms), "
-                  "waited %.0f ms, overhead %.2f ms, wall %.0f ms, next block %s",
+                  "waited %.0f ms, overhead %.2f ms (in the services %.2f ms), wall %.0f ms, next block %s",
                   self.stats.rounds, verified_k, result.accepted, self.policy.alpha or 0.0, self.policy.k,
                   self.policy.k_ahead, result.compute_ms, result.latency_ms - result.compute_ms, waited_ms,
-                  wall_ms - waited_ms, wall_ms, how)
+                  wall_ms - waited_ms, in_services_ms, wall_ms, how)
         return now
 
     async def _take_predraft(self, task: asyncio.Task, result: VerifyResult) -> DraftBlock | None:
@@ -359,6 +368,12 @@ class Decoder:
             return pre.drop_first()
         self.draft_view = ServiceView(len(self.committed) - 1)
         return None
+
+
+def _in_handler(reply: DraftBlock | VerifyResult) -> float:
+    """Of a model call's time, what its service's handler spent beyond the
+    compute (0 when the service did not report it)."""
+    return max(0.0, reply.handler_ms - reply.compute_ms) if reply.handler_ms else 0.0
 
 
 def _compute_waited(pre_task: asyncio.Task, wait_ms: float) -> float:

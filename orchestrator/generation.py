@@ -173,6 +173,7 @@ class Generation:
                 overhead_ms_p50=_median(stats.overhead_ms),
                 overhead_ms_p50_predrafted=_median(stats.overhead_predrafted_ms),
                 overhead_ms_p50_drafted_after=_median(stats.overhead_drafted_after_ms),
+                overhead_in_services_ms_p50=_median(stats.overhead_in_services_ms),
                 handover_ms_p50=_median(stats.handover_ms),
                 verify_ms_p50=_median(stats.verify_ms),
                 draft_step_ms_p50=_median(stats.draft_step_ms),

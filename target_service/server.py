@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -74,6 +75,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             yield result
 
     async def Verify(self, request, context):
+        started = time.perf_counter()
         with telemetry.server_span(f"{SERVICE_NAME}/Verify", context) as span:
             call = await self.checked_call(context, request)
             if span.is_recording():
@@ -92,6 +94,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                 prefilled_tokens=outcome.prefilled,
                 cropped_tokens=outcome.cropped,
                 compute_ms=outcome.compute_ms,
+                handler_ms=(time.perf_counter() - started) * 1e3,
             )
 
 

@@ -21,6 +21,8 @@ def test_draft_equals_target_accepts_everything(same_cluster, tiny_models, pipel
             # the services' compute per verify and per draft step reach the client
             assert 0 < stats.verify_ms_p50 < stats.total_ms
             assert 0 < stats.draft_step_ms_p50 < stats.total_ms
+            # the services' handling beyond compute is a part of each round's overhead
+            assert 0 < stats.overhead_in_services_ms_p50 < stats.overhead_ms_p50
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
