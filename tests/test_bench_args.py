@@ -67,3 +67,34 @@ def test_theory_tokens_per_round_averages_tau_over_the_block_lengths():
     assert theory_tokens_per_round(0.8, [0, 0, 5, 5]) == pytest.approx((tau(0.8, 2) + tau(0.8, 3)) / 2)
     assert theory_tokens_per_round(0.8, [4]) == 1.0  # rounds on the target alone commit one token
     assert theory_tokens_per_round(0.8, []) == 0.0
+
+
+def test_the_grpc_floor_probe_times_round_trips_beyond_the_echo_sides_work(tmp_path):
+    """bench.grpc_floor: a bare grpc.aio round trip between two pinned processes,
+    the echo side's memory touch sent back and subtracted; the caller's cores
+    are given back."""
+    import json
+    import os
+
+    from bench import grpc_floor
+
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    out = tmp_path / "floor.json"
+    assert grpc_floor.main(["--messages", "30", "--touch-mb", "0,16", "--cores", f"{cores[0]},{cores[-1]}",
+                            "--out", str(out)]) == 0
+    assert os.sched_getaffinity(0) == before
+    rows = json.loads(out.read_text())["results"]
+    assert [r["touch_mb"] for r in rows] == [0, 16]
+    for r in rows:
+        assert r["round_trips"] == 30
+        assert 0 < r["p10_ms"] <= r["p50_ms"] <= r["p90_ms"]
+    # the echo side's touch: none without memory to stream, timed and sent back with it
+    assert rows[0]["touch_ms_p50"] == 0 < rows[1]["touch_ms_p50"]
+
+
+def test_the_grpc_floor_probe_refuses_cores_it_may_not_use():
+    from bench import grpc_floor
+
+    with pytest.raises(SystemExit):
+        grpc_floor.main(["--cores", "0,4096"])
