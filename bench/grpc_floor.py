@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from tandem.launch import free_port
 SERVICE, METHOD = "tandem.bench.Echo", "Chat"
 WARM_UP = 100  # round trips not counted
 TIME_FIELD = 12  # bytes at the end of a reply: the touch's time, microseconds
+START_TIMEOUT_S = 120  # the echo side imports torch and fills its memory
 
 
 async def serve(port: int, touch_mb: int) -> None:
@@ -79,6 +81,8 @@ def measure(touch_mb: int, messages: int, size: int, cores: tuple[int, int]) -> 
     echo = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", str(port), "--touch-mb", str(touch_mb),
                              "--cores", f"{cores[0]},{cores[1]}"], stdout=subprocess.PIPE, text=True)
     try:
+        if not select.select([echo.stdout], [], [], START_TIMEOUT_S)[0]:
+            raise RuntimeError(f"the echo service did not start within {START_TIMEOUT_S} s")
         if echo.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the echo service did not start (exit code {echo.wait()})")
         times, touches = asyncio.run(round_trips(port, messages, size))
@@ -104,14 +108,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         echo_core, caller_core = (int(c) for c in args.cores.split(","))
-        touches = [int(mb) for mb in args.touch_mb.split(",")]
+        sizes_mb = [int(mb) for mb in args.touch_mb.split(",")]
     except ValueError:
         parser.error(f"--cores takes two core numbers and --touch-mb whole MB, got {args.cores!r} and {args.touch_mb!r}")
-    if min(touches) < 0 or args.messages < 1 or args.size < 1:
+    if min(sizes_mb) < 0 or args.messages < 1 or args.size < 1:
         parser.error("--touch-mb must be >= 0, --messages and --size >= 1")
     if args.serve is not None:  # started by measure(), on the caller's core: it moves to its own
         os.sched_setaffinity(0, {echo_core})
-        asyncio.run(serve(args.serve, touches[0]))
+        asyncio.run(serve(args.serve, sizes_mb[0]))
         return 0
     available = os.sched_getaffinity(0)
     if not {echo_core, caller_core} <= available:
@@ -119,7 +123,7 @@ def main(argv=None) -> int:
     rows = []
     os.sched_setaffinity(0, {caller_core})
     try:
-        for mb in touches:
+        for mb in sizes_mb:
             print(f"{args.messages} round trips, the echo side streaming {mb} MB before each reply …", flush=True)
             rows.append(measure(mb, args.messages, args.size, (echo_core, caller_core)))
             r = rows[-1]
