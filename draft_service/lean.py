@@ -19,6 +19,12 @@ the same 31 greedy tokens as the HF forward): a step took 17.1 ms against
 With an int4 draft on tandem/i4w.c, a feed of up to 16 tokens runs its whole
 layer stack in one C call (_FusedLayers, tandem_i4w_layers): one step of the
 default draft took 9.67 ms against 16.00 ms per op (Zen 4 VM, one thread).
+
+On a GPU a step is bound by the host: a few ms of kernels behind hundreds of
+launches. There a one-token step replays a CUDA graph (_GraphStep), captured
+once per session cache and capacity, of a step whose shapes never change: the
+position is a tensor, the keys and values go in with index_copy_, and the
+attention covers the whole capacity behind a mask.
 """
 from __future__ import annotations
 
@@ -110,6 +116,7 @@ class StaticKV:
         self.keys = torch.empty((layers, kv_heads, 0, head_dim), dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
         self.length = 0
+        self.graph: _GraphStep | None = None  # LeanRunner's captured one-token step on these buffers
 
     def reserve(self, length: int) -> None:
         layers, heads, capacity, head_dim = self.keys.shape
@@ -143,9 +150,10 @@ class StaticKV:
 class LeanRunner:
     """ModelRunner's interface (new_cache, forward, last_hidden) over StaticKV
     caches, for the models `unsupported` accepts. `before_layer`, when set, runs
-    before each layer (the drafter's cancellation check)."""
+    before each layer (the drafter's cancellation check). `graphs`: one-token
+    steps replay a CUDA graph (on a CUDA device only)."""
 
-    def __init__(self, loaded, device: str, fused: bool = True):
+    def __init__(self, loaded, device: str, fused: bool = True, graphs: bool = False):
         self.loaded = loaded
         self.model = model = loaded.model
         self.device = torch.device(device)
@@ -165,6 +173,11 @@ class LeanRunner:
         self.fused = _FusedLayers.build(base.layers, self) if fused else None
         if self.fused is not None:
             log.info("draft steps of up to %d tokens run their layers in tandem/i4w.c", FUSED_ROWS)
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self.graphs = graphs
+        if graphs:
+            log.info("one-token draft steps replay a CUDA graph")
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
@@ -184,6 +197,8 @@ class LeanRunner:
         count, start = len(tokens), kv.length
         end = start + count
         kv.reserve(end)
+        if self.graphs and count == 1:
+            return self._graph_step(kv, tokens[0])
         self._rotary_table(end)
         cos, sin = self.cos[start:end], self.sin[start:end]
         if self.fused is not None and count <= FUSED_ROWS:
@@ -212,6 +227,44 @@ class LeanRunner:
         kv.length = end
         return x
 
+    def _graph_step(self, kv: StaticKV, token: int) -> torch.Tensor:
+        step = kv.graph
+        if step is None or not step.holds(kv):
+            self._rotary_table(kv.keys.shape[2])
+            step = kv.graph = _GraphStep(self, kv)
+        if self.before_layer is not None:
+            self.before_layer()  # the only check: the layers run in one replay
+        x = step(token, kv.length)
+        kv.length += 1
+        return x
+
+    def static_step(self, keys: torch.Tensor, values: torch.Tensor, token: torch.Tensor, position: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One token through the layers with shapes that do not depend on the
+        position: token and position are [1] int64 tensors on the device, keys
+        and values a StaticKV's whole buffers ([layers, kv_heads, capacity,
+        head_dim]), cos and sin the rotary table over the capacity. Writes the
+        token's keys and values at `position` and attends to every position up
+        to it. Returns its [1, hidden] state before the final norm. _GraphStep
+        captures it; it runs as it is anywhere (tests run it on the CPU)."""
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        capacity = keys.shape[2]
+        cos, sin = cos.index_select(0, position), sin.index_select(0, position)  # [1, head_dim]
+        mask = (torch.arange(capacity, device=keys.device) <= position)[None]  # [1, capacity]
+        x = self.embedding.index_select(0, token)  # [1, hidden]
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.norm1, layer.eps1)
+            q = _rotate(layer.q(h).view(1, heads, head_dim).transpose(0, 1), cos, sin)
+            k = _rotate(layer.k(h).view(1, kv_heads, head_dim).transpose(0, 1), cos, sin)
+            keys[i].index_copy_(1, position, k)
+            values[i].index_copy_(1, position, layer.v(h).view(1, kv_heads, head_dim).transpose(0, 1))
+            attended = F.scaled_dot_product_attention(q[None], keys[i, None], values[i, None], attn_mask=mask,
+                                                      enable_gqa=kv_heads != heads)  # [1, heads, 1, hd]
+            x = x + layer.o(attended[0].transpose(0, 1).reshape(1, heads * head_dim))
+            h = _rms_norm(x, layer.norm2, layer.eps2)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        return x
+
     @torch.inference_mode()
     def forward(self, kv: StaticKV, tokens: list[int], logits_to_keep: int) -> torch.Tensor:
         """As ModelRunner.forward: [logits_to_keep, vocab] float32 logits."""
@@ -224,6 +277,50 @@ class LeanRunner:
         """As ModelRunner.last_hidden: the [hidden] state of the last token."""
         assert tokens
         return self.norm(self._hidden(kv, tokens)[-1:])[0]
+
+
+class _GraphStep:
+    """LeanRunner.static_step on one StaticKV's buffers, captured as a CUDA graph
+    on its first call: two warm-up runs on a side stream (they write the same
+    keys and values at the same position as the replay after them), then the
+    capture, then a replay per step. It holds the tensors the graph reads (the
+    buffers, the rotary table of the time), so none is freed under it; a cache
+    that grows gets new buffers and a new graph."""
+
+    WARMUPS = 2
+
+    def __init__(self, runner: LeanRunner, kv: StaticKV):
+        self.runner = runner
+        self.keys, self.values = kv.keys, kv.values
+        capacity = kv.keys.shape[2]
+        self.cos, self.sin = runner.cos[:capacity], runner.sin[:capacity]
+        self.token = torch.zeros(1, dtype=torch.long, device=runner.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=runner.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    def holds(self, kv: StaticKV) -> bool:
+        return self.keys is kv.keys and self.values is kv.values
+
+    def _run(self) -> torch.Tensor:
+        return self.runner.static_step(self.keys, self.values, self.token, self.position, self.cos, self.sin)
+
+    def __call__(self, token: int, position: int) -> torch.Tensor:
+        self.token.fill_(token)
+        self.position.fill_(position)
+        if self.graph is None:
+            side = torch.cuda.Stream(self.runner.device)
+            side.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(side):
+                for _ in range(self.WARMUPS):
+                    self._run()
+            torch.cuda.current_stream(self.runner.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.output = self._run()
+            self.graph = graph
+        self.graph.replay()
+        return self.output
 
 
 FUSED_ROWS = 16  # longer feeds (a prompt) take the per-op path, whose int4 layers then run their int8 copies
@@ -280,17 +377,18 @@ class _FusedLayers:
 
 
 def lean_runner(loaded, device: str, choice: str) -> LeanRunner | None:
-    """LeanRunner for --lean-step on or aten, or auto on a CPU, when the model
-    allows it (aten: without the fused i4w layers); None for off (and auto on a
-    GPU, where it is not measured yet)."""
+    """LeanRunner for --lean-step on or aten, or auto, when the model allows it;
+    None for off. aten: without the fused i4w layers on a CPU, without CUDA
+    graphs on a GPU."""
     if choice not in LEAN_STEP:
         raise ValueError(f"lean_step must be one of {LEAN_STEP}, got {choice!r}")
-    if choice == "off" or (choice == "auto" and device != "cpu"):
+    if choice == "off":
         return None
     reason = unsupported(loaded.model)
     if reason is None:
         log.info("draft steps run the lean forward (StaticKV)")
-        return LeanRunner(loaded, device, fused=choice != "aten")
+        graphs = torch.device(device).type == "cuda" and choice != "aten"
+        return LeanRunner(loaded, device, fused=choice != "aten", graphs=graphs)
     if choice in ("on", "aten"):
         raise ValueError(f"--lean-step on: the draft model is not supported: {reason}")
     log.info("draft steps run Hugging Face's forward: the lean forward does not support %s", reason)

@@ -33,7 +33,7 @@ class DraftOptions:
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
     quantize: str = "none"  # "int8" (dynamic, float32), "int4" (bf16 with AMX, else int8 activations on AVX512-VNNI), "auto": cheap.auto_quantize
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
-    lean_step: str = "auto"  # draft_service.lean: "on", "off", "auto" (on a CPU, for the models it supports)
+    lean_step: str = "auto"  # draft_service.lean: "on", "aten", "off", "auto" (for the models it supports)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -115,7 +115,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if runner is None:
             runner = ModelRunner(info, model.device)
         else:
-            self.backend += "/lean"
+            self.backend += "/lean+graphs" if runner.graphs else "/lean"
         store = SessionCacheStore(runner.new_cache, budget, cache.session_ttl_s)
         super().__init__(info, store, worker)
         if options.backend == "ngram+model":

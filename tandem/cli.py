@@ -150,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--lean-step", default="auto", choices=["auto", "on", "aten", "off"],
                        help="run the draft model's forward as a plain loop over its layers on a preallocated KV "
                             "cache instead of Hugging Face's forward (Qwen2, Llama, Mistral): same function, "
-                            "less Python per step; auto = on a CPU when the model is supported, its layers in one C call "
-                            "when every projection is int4 on the VNNI kernel (tandem/i4w.c); aten = the lean "
-                            "forward without that C call (default: %(default)s)")
+                            "less Python per step; auto = on when the model is supported: on a CPU its layers in one C call "
+                            "when every projection is int4 on the VNNI kernel (tandem/i4w.c), on a GPU a one-token "
+                            "step replays a CUDA graph; aten = the lean forward without either (default: %(default)s)")
     orch = serve.add_parser("orchestrator", help="the public API server")
     orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")

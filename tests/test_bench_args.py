@@ -1,5 +1,6 @@
 """The benchmarks' settings (bench/nodes.py, bench/common.py): what (g) runs, and how (f) runs."""
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,34 @@ def test_the_grpc_floor_probe_refuses_cores_it_may_not_use():
 
     with pytest.raises(SystemExit):
         grpc_floor.main(["--cores", "0,4096"])
+
+
+def test_the_step_probe_times_each_draft_path_and_the_target(tiny_models, tmp_path):
+    """bench.step_probe on the CPU: the draft's step through Hugging Face's
+    forward and the lean one (no CUDA graph off a GPU), each path's greedy
+    tokens against Hugging Face's (float32: the same), and the target's forwards."""
+    import json
+
+    from bench import step_probe
+
+    out = tmp_path / "steps.json"
+    assert step_probe.main(["--target", tiny_models["target"], "--draft", tiny_models["other"], "--dtype", "float32",
+                            "--steps", "6", "--reps", "3", "--warmups", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["draft_step"]) == {"hf", "lean"}
+    assert result["draft_step"]["lean"]["same_tokens_as_hf"] == 6
+    assert set(result["target_forward"]) == {"1", "4"}
+    assert all(entry["median_ms"] > 0 and entry["n"] == 3 for entry in result["target_forward"].values())
+    assert result["draft_step_over_verify"]["hf"] > 0
+
+
+def test_a_random_pair_member_has_the_architecture_and_tokenizer_it_copies(tiny_models, tmp_path):
+    from transformers import AutoConfig
+
+    from bench.random_pair import build
+
+    out = build(Path(tiny_models["other"]), tmp_path / "random", seed=1, dtype="float32")
+    like, built = AutoConfig.from_pretrained(tiny_models["other"]), AutoConfig.from_pretrained(out)
+    assert (built.model_type, built.hidden_size, built.num_hidden_layers) == \
+        (like.model_type, like.hidden_size, like.num_hidden_layers)
+    assert (out / "model.safetensors").is_file()

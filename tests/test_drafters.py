@@ -41,8 +41,9 @@ def test_backends_stay_lossless_end_to_end(tiny_models, options):
     cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=options)
     try:
         with cluster.client() as client:
-            lean = options.backend != "ngram" and options.lean_step != "off" and DEVICE == "cpu"
-            assert client.server_info().draft_backend == options.label + ("/lean" if lean else "")
+            lean = options.backend != "ngram" and options.lean_step != "off"
+            suffix = ("/lean" if DEVICE == "cpu" else "/lean+graphs") if lean else ""
+            assert client.server_info().draft_backend == options.label + suffix
             for prompt in (REPEATING, [3, 1, 4, 1, 5, 9, 2, 6], list(range(5, 45, 2))):  # the last > 16 tokens
                 for pipeline in (False, True):
                     result = client.generate(prompt_ids=prompt, max_tokens=24, num_draft_tokens=3, pipeline=pipeline)

@@ -163,7 +163,9 @@ def test_unsupported_models_fall_back_or_are_refused():
     llama = _tiny_llama()
     assert isinstance(lean_runner(llama, "cpu", "auto"), LeanRunner)
     assert lean_runner(llama, "cpu", "off") is None
-    assert lean_runner(llama, "cuda:0", "auto") is None  # not measured on a GPU: opt in with "on"
+    assert lean_runner(llama, "cpu", "on").graphs is False  # CUDA graphs on a CUDA device only
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        LeanRunner(llama, "cpu", graphs=True)
     with pytest.raises(ValueError, match="lean_step"):
         lean_runner(llama, "cpu", "fast")
 
@@ -214,3 +216,60 @@ def test_a_cancelled_lean_draft_stops_between_layers_and_its_cache_goes_on_exact
     assert cache.kv_len == len(prompt) + 1 == cache.kv.get_seq_length()
     after = drafter.propose(_propose_call("s", prompt + reference[:1], reference[1:2], 4), never)
     assert after.tokens == reference[2:6]
+
+
+def _static_steps_match_the_per_op_path(loaded: LoadedModel, device: str, graphs: bool) -> None:
+    """One-token steps through LeanRunner.static_step (the function a CUDA graph
+    captures: the position as a tensor, attention over the whole capacity behind
+    a mask), eagerly or replayed from a graph, give the per-op path's hidden
+    states and keys, also after a crop leaves stale keys past the position."""
+    static, per_op = LeanRunner(loaded, device, fused=False, graphs=graphs), LeanRunner(loaded, device, fused=False)
+    prompt = [(7 * i + 3) % 60 + 1 for i in range(20)]
+    with torch.inference_mode():
+        kv, reference_kv = static.new_cache(), per_op.new_cache()
+        static._hidden(kv, prompt)
+        per_op._hidden(reference_kv, prompt)
+
+        def step(token: int) -> torch.Tensor:
+            if graphs:
+                return static._hidden(kv, [token]).clone()
+            position = torch.tensor([kv.length], device=device)
+            static._rotary_table(kv.keys.shape[2])
+            got = static.static_step(kv.keys, kv.values, torch.tensor([token], device=device), position,
+                                     static.cos[:kv.keys.shape[2]], static.sin[:kv.keys.shape[2]])
+            kv.length += 1
+            return got
+
+        for i, token in enumerate([9, 11, 2, 3, 1, 17, 5, 8]):
+            if i == 5:
+                kv.crop(-3)  # three stale positions past the end
+                reference_kv.crop(-3)
+            got, expected = step(token), per_op._hidden(reference_kv, [token])
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            assert kv.length == reference_kv.length
+            torch.testing.assert_close(kv.keys[:, :, :kv.length], reference_kv.keys[:, :, :kv.length],
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_the_static_step_matches_the_per_op_path(tiny_models):
+    loaded = load(ModelConfig(tiny_models["other"], dtype="float32"))
+    _static_steps_match_the_per_op_path(loaded, "cpu", graphs=False)
+    _static_steps_match_the_per_op_path(_tiny_llama(), "cpu", graphs=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graphed_steps_match_the_per_op_path_on_a_gpu(tiny_models):
+    """As above, replayed from a CUDA graph, in float32 on the GPU; a cache that
+    grows past its capacity gets a new graph on its new buffers."""
+    loaded = load(ModelConfig(tiny_models["other"], device="cuda", dtype="float32"))
+    _static_steps_match_the_per_op_path(loaded, "cuda", graphs=True)
+    runner = LeanRunner(loaded, "cuda", graphs=True)
+    with torch.inference_mode():
+        kv = runner.new_cache()
+        runner._hidden(kv, list(range(1, 255)))
+        runner._hidden(kv, [3])
+        first = kv.graph
+        runner._hidden(kv, [4])
+        assert kv.graph is first and kv.keys.shape[2] == 256
+        runner._hidden(kv, [5])  # position 256: the cache doubles
+        assert kv.keys.shape[2] == 512 and kv.graph is not first and kv.graph.holds(kv)
