@@ -5,9 +5,12 @@ from a CUDA graph (`graph`); the target's forward of 1 and of k + 1 tokens
 through Hugging Face's forward, as target_service runs it.
 
 Each step is timed as the drafter takes it: the forward, then the greedy token
-read back to the host (a GPU sync). A draft path's greedy tokens over the timed
-steps are compared with `hf`'s (`same_tokens_as_hf`: positions where the two
-agree; bf16 paths may part at near-ties, which the target's verify absorbs).
+read back to the host (a GPU sync). The draft is the model as it loads, not
+quantized (the draft service quantizes it on a CPU). Every path is fed `hf`'s
+greedy tokens, so that each step sees the same history, and its greedy token
+at each step is compared with `hf`'s (`same_tokens_as_hf`) along with the
+largest difference of their logits (`max_abs_logit_diff_vs_hf`): bf16 paths may
+part at near-ties, which the target's verify absorbs.
 
     python -m bench.step_probe                                  # the default pair on the CPU
     python -m bench.step_probe --device cuda --target T --draft D
@@ -42,20 +45,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def draft_steps(runner, steps: int, warmups: int) -> tuple[list[float], list[int]]:
-    """Prefills the prompt, then greedy one-token steps: (ms of each timed step, its tokens)."""
+def draft_steps(runner, steps: int, warmups: int, feed: list[int] | None = None):
+    """Prefills the prompt, then one-token steps (warm-ups first), each fed the
+    greedy token of the step before or, given `feed`, feed's token at its
+    place. Returns the ms of each timed step, the tokens fed (warm-ups
+    included), the greedy tokens and the float32 logits (on the host) of the
+    timed steps."""
     kv = runner.new_cache()
     logits = runner.forward(kv, prompt(runner.loaded.vocab_size), logits_to_keep=1)[0]
     token = int(logits.argmax())
-    times, tokens = [], []
+    times, fed, tokens, kept = [], [], [], []
     for i in range(warmups + steps):
+        if feed is not None:
+            token = feed[i]
+        fed.append(token)
         start = time.perf_counter()
-        token = int(runner.forward(kv, [token], logits_to_keep=1)[0].argmax())
+        logits = runner.forward(kv, [token], logits_to_keep=1)[0]
+        token = int(logits.argmax())
         elapsed = (time.perf_counter() - start) * 1e3
         if i >= warmups:
             times.append(elapsed)
             tokens.append(token)
-    return times, tokens
+            kept.append(logits.cpu())
+    return times, fed, tokens, torch.stack(kept)
 
 
 def verify_forwards(runner, count: int, reps: int, warmups: int) -> list[float]:
@@ -117,14 +129,15 @@ def main(argv=None) -> int:
         log.info("no lean paths: %s", reason)
     result = {"machine": machine(), "device": args.device, "dtype": str(draft.model.dtype).removeprefix("torch."),
               "target": args.target, "draft": args.draft, "draft_step": {}, "target_forward": {}}
-    reference = None
+    fed = reference = reference_logits = None
     for name, runner in paths.items():
-        times, tokens = draft_steps(runner, args.steps, args.warmups)
+        times, fed, tokens, logits = draft_steps(runner, args.steps, args.warmups, feed=fed)
         entry = summary(times)
         if reference is None:
-            reference = tokens
+            reference, reference_logits = tokens, logits
         else:
             entry["same_tokens_as_hf"] = sum(a == b for a, b in zip(tokens, reference))
+            entry["max_abs_logit_diff_vs_hf"] = float((logits - reference_logits).abs().max())
         result["draft_step"][name] = entry
         log.info("draft step, %s: %.2f ms median", name, entry["median_ms"])
     del paths, draft

@@ -115,6 +115,7 @@ def test_the_step_probe_times_each_draft_path_and_the_target(tiny_models, tmp_pa
     result = json.loads(out.read_text())
     assert set(result["draft_step"]) == {"hf", "lean"}
     assert result["draft_step"]["lean"]["same_tokens_as_hf"] == 6
+    assert result["draft_step"]["lean"]["max_abs_logit_diff_vs_hf"] < 1e-3
     assert set(result["target_forward"]) == {"1", "4"}
     assert all(entry["median_ms"] > 0 and entry["n"] == 3 for entry in result["target_forward"].values())
     assert result["draft_step_over_verify"]["hf"] > 0
