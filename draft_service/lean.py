@@ -110,7 +110,10 @@ class _Layer:
 
 class StaticKV:
     """A session's keys and values, [layers, kv_heads, capacity, head_dim] each;
-    the first `length` positions are valid. Grows by doubling."""
+    the first `length` positions are valid. Grows by doubling. The positions
+    past the length hold zeros or stale keys, never garbage: the graphed step
+    attends over the whole capacity behind a mask, and a NaN in a masked
+    position still poisons the softmax (0 * NaN)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.keys = torch.empty((layers, kv_heads, 0, head_dim), dtype=dtype, device=device)
@@ -125,7 +128,7 @@ class StaticKV:
         capacity = max(256, 1 << (length - 1).bit_length())
         for name in ("keys", "values"):
             held = getattr(self, name)
-            grown = held.new_empty((layers, heads, capacity, head_dim))
+            grown = held.new_zeros((layers, heads, capacity, head_dim))
             grown[:, :, : self.length] = held[:, :, : self.length]
             setattr(self, name, grown)
 

@@ -138,6 +138,22 @@ def test_the_cache_grows_and_keeps_what_it_held(tiny_models):
     _same_steps(loaded, [prompt, [3], [(5 * i) % 100 + 2 for i in range(100)], [8]])
 
 
+def test_a_grown_cache_holds_zeros_past_its_length():
+    """The graphed step attends over the whole capacity behind a mask, and a NaN
+    in a masked position still makes the output NaN (seen on an H100: recycled
+    GPU memory gave a sampled draft NaN probabilities): a cache's new positions
+    are zeros, not whatever the allocator held."""
+    kv = StaticKV(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    kv.reserve(10)
+    kv.keys[:, :, :10] = 1.0
+    kv.values[:, :, :10] = 2.0
+    kv.length = 10
+    kv.reserve(300)
+    assert kv.keys.shape[2] == 512
+    assert torch.all(kv.keys[:, :, :10] == 1.0) and torch.all(kv.values[:, :, :10] == 2.0)
+    assert torch.count_nonzero(kv.keys[:, :, 10:]) == 0 and torch.count_nonzero(kv.values[:, :, 10:]) == 0
+
+
 def test_static_kv_crops_as_dynamic_cache_does():
     """crop(-n) drops n tokens (never below none); the bytes are the capacity's."""
     kv = StaticKV(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
