@@ -24,7 +24,9 @@ On a GPU a step is bound by the host: a few ms of kernels behind hundreds of
 launches. There a one-token step replays a CUDA graph (_GraphStep), captured
 once per session cache and capacity, of a step whose shapes never change: the
 position is a tensor, the keys and values go in with index_copy_, and the
-attention covers the whole capacity behind a mask.
+attention covers the whole capacity behind a mask. Measured on an H100 (the
+default draft's shapes, bf16, bench.step_probe): a step took 3.6 ms replayed,
+11.8-13.4 ms eagerly here and 17.8-22.0 ms through Hugging Face's forward.
 """
 from __future__ import annotations
 
