@@ -290,7 +290,9 @@ class _GraphStep:
     keys and values at the same position as the replay after them), then the
     capture, then a replay per step. It holds the tensors the graph reads (the
     buffers, the rotary table of the time), so none is freed under it; a cache
-    that grows gets new buffers and a new graph."""
+    that grows gets new buffers and a new graph. Each graph keeps its own memory
+    pool for the step's intermediates (one token's activations), which the
+    session cache budget does not count; it goes with the session's cache."""
 
     WARMUPS = 2
 
