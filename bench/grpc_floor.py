@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import select
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
-from bench.common import RESULTS, machine
+from bench.common import RESULTS, machine, write
 from tandem.launch import free_port
 
 SERVICE, METHOD = "tandem.bench.Echo", "Chat"
@@ -132,9 +132,7 @@ def main(argv=None) -> int:
     finally:
         os.sched_setaffinity(0, available)  # a caller (a test) keeps its cores
     payload = {"machine": machine(), "message_bytes": args.size, "cores": [echo_core, caller_core], "results": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(payload, f, indent=2)
+    write(Path(args.out), payload)
     print(f"wrote {args.out}")
     return 0
 

@@ -22,8 +22,8 @@ import torch
 
 log = logging.getLogger("bench.random_pair")
 
-# Files a model directory may hold besides the weights; copied when present.
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+# Files a model directory may hold besides the weights and config; copied when present.
+COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
@@ -39,7 +39,7 @@ def build(like: Path, out: Path, seed: int = 0, dtype: str = "bfloat16", device:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for name in COPIED:
-        if name != "config.json" and (like / name).is_file():
+        if (like / name).is_file():
             shutil.copy(like / name, out / name)
     log.info("%s: %s with random weights (%.0fM parameters, %s)", out, config.model_type,
              sum(p.numel() for p in model.parameters()) / 1e6, dtype)

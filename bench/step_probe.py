@@ -40,11 +40,6 @@ def prompt(vocab_size: int) -> list[int]:
     return [(37 * i + 11) % (span - 1) + 1 for i in range(PROMPT_LEN)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def draft_steps(runner, steps: int, warmups: int, feed: list[int] | None = None):
     """Prefills the prompt, then one-token steps (warm-ups first), each fed the
     greedy token of the step before or, given `feed`, feed's token at its
@@ -89,8 +84,8 @@ def verify_forwards(runner, count: int, reps: int, warmups: int) -> list[float]:
 
 
 def summary(times: list[float]) -> dict:
-    return {"median_ms": statistics.median(times), "p10_ms": statistics.quantiles(times, n=10)[0],
-            "p90_ms": statistics.quantiles(times, n=10)[-1], "n": len(times)}
+    deciles = statistics.quantiles(times, n=10)
+    return {"median_ms": statistics.median(times), "p10_ms": deciles[0], "p90_ms": deciles[-1], "n": len(times)}
 
 
 def main(argv=None) -> int:
