@@ -27,10 +27,11 @@ draft token, so any change to the draft costs acceptance, never correctness.
   g32 0.922/0.961/0.610/0.648 (0.785), 34.3 ms; int4 g64 0.780, 32.9 ms; int4
   g128 0.768, 32.4 ms. The kernel is fast only with native bf16: the same
   layers took 25 ms in bf16 and 582 ms with float32 activations there.
-  On CPUs with AVX512-VNNI and no AMX the same weights run on tandem/i4w.c
-  instead, times activations quantized to int8 one token at a time, in
-  groups of 32 (so a token's probabilities still do not depend on which
-  tokens shared its forward); tandem/i4w.py has its measurements."""
+  On CPUs without AMX the same weights run on tandem/i4w.c instead (AVX512-VNNI,
+  or AVX2 where the CPU lacks it), times activations quantized to int8 one
+  token at a time, in groups of 32 (so a token's probabilities still do not
+  depend on which tokens shared its forward); tandem/i4w.py has its
+  measurements."""
 from __future__ import annotations
 
 import logging
@@ -68,27 +69,27 @@ QUANTIZE = ("none", "int8", "int4", "auto")
 
 
 def auto_quantize(device: str) -> str:
-    """--quantize auto: int4 on a CPU with AMX (aten's kernel) or with
-    AVX512-VNNI (tandem/i4w.c), where each was measured faster than int8; int8
-    on other CPUs (aten's int4 kernel needs native bf16 to be fast at all, and
-    on a Zen 4 EPYC with AVX512-BF16 but no AMX it stepped in 34.5-36.4 ms
-    against int8's 30.3-33.8: bench/RESULTS.md); none on a GPU."""
+    """--quantize auto: int4 on a CPU with AMX (aten's kernel) or where
+    tandem/i4w.c runs (AVX512-VNNI or AVX2), where each was measured faster
+    than int8; int8 on other CPUs (aten's int4 kernel needs native bf16 to be
+    fast at all, and on a Zen 4 EPYC with AVX512-BF16 but no AMX it stepped in
+    34.5-36.4 ms against int8's 30.3-33.8: bench/RESULTS.md); none on a GPU."""
     from tandem.cpu_kernels import amx_bf16
 
     if device != "cpu":
         return "none"
-    return "int4" if amx_bf16() or int4_kernel() == "vnni" else "int8"
+    return "int4" if amx_bf16() or int4_kernel() == "i4w" else "int8"
 
 
 def int4_kernel() -> str:
     """Which kernel Int4Linear multiplies with by default: aten's on a CPU with
     AMX (measured there, bf16 activations), tandem/i4w.c's where the CPU has
-    AVX512-VNNI (tandem/i4w.py has the measurements), else aten's."""
+    AVX512-VNNI or AVX2 (tandem/i4w.py has the measurements), else aten's."""
     from tandem.cpu_kernels import amx_bf16
 
     if amx_bf16() or i4w.unavailable() is not None:
         return "aten"
-    return "vnni"
+    return "i4w"
 
 
 class Int4Linear(torch.nn.Module):
@@ -100,7 +101,7 @@ class Int4Linear(torch.nn.Module):
       which torchao 0.18 keeps in its prototype tree). Activations and output
       are bf16. Output rows are padded to the kernel's multiple of 16 and cut
       off again.
-    - "vnni": tandem/i4w.c, the same weights (scales held in fp16) times
+    - "i4w": tandem/i4w.c, the same weights (scales held in fp16) times
       activations quantized to int8 a row (token) at a time, in groups of 32;
       float32 in and out.
     A forward of more than `wide_rows` rows runs an int8 copy of the layer
@@ -110,10 +111,10 @@ class Int4Linear(torch.nn.Module):
                  kernel: str | None = None):
         super().__init__()
         kernel = kernel or int4_kernel()
-        if kernel not in ("aten", "vnni"):
-            raise ValueError(f"int4 kernel must be 'aten' or 'vnni', got {kernel!r}")
-        if kernel == "vnni" and group != i4w.GROUP:
-            raise ValueError(f"the vnni int4 kernel takes groups of {i4w.GROUP}, not {group}")
+        if kernel not in ("aten", "i4w"):
+            raise ValueError(f"int4 kernel must be 'aten' or 'i4w', got {kernel!r}")
+        if kernel == "i4w" and group != i4w.GROUP:
+            raise ValueError(f"the i4w int4 kernel takes groups of {i4w.GROUP}, not {group}")
         weight = linear.weight.detach().float()
         out_features, in_features = weight.shape
         if in_features % group:
@@ -122,7 +123,7 @@ class Int4Linear(torch.nn.Module):
         self.padded_out = out_features + (-out_features) % 16  # the kernels' multiple of 16
         padded = torch.cat([weight, weight.new_zeros(self.padded_out - out_features, in_features)])
         codes, scale, low = quantize_groups(padded, group)
-        if kernel == "vnni":
+        if kernel == "i4w":
             self.register_buffer("packed", i4w.pack(codes, scale, low))
             self.output_dtype = torch.float32
         else:
@@ -134,7 +135,7 @@ class Int4Linear(torch.nn.Module):
                                  torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
             self.output_dtype = torch.bfloat16
         bias = None if linear.bias is None else linear.bias.detach().to(self.output_dtype)
-        if bias is not None and kernel == "vnni":
+        if bias is not None and kernel == "i4w":
             bias = torch.cat([bias, bias.new_zeros(self.padded_out - out_features)])
         self.register_buffer("bias", bias)
         self.wide_rows = wide_rows
@@ -150,7 +151,7 @@ class Int4Linear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.wide is not None and flat.shape[0] > self.wide_rows:
             return self.wide(flat.float()).to(self.output_dtype).reshape(*x.shape[:-1], self.out_features)
-        if self.kernel == "vnni":
+        if self.kernel == "i4w":
             y = i4w.linear(flat.float().contiguous(), self.packed, self.bias, self.padded_out)
             return y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         flat = flat.to(torch.bfloat16)

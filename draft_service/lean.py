@@ -335,8 +335,8 @@ FUSED_ROWS = 16  # longer feeds (a prompt) take the per-op path, whose int4 laye
 
 class _FusedLayers:
     """The layer stack as one call of tandem/i4w.c (tandem_i4w_layers), for a
-    float32 model whose every projection is an Int4Linear on the vnni kernel
-    (the int4 draft on a CPU with AVX512-VNNI and no AMX). The per-op path and
+    float32 model whose every projection is an Int4Linear on the i4w kernel
+    (the int4 draft on a CPU with AVX512-VNNI or AVX2 and no AMX). The per-op path and
     this compute the same function up to float32 rounding (another softmax and
     exp); each keeps every row independent of the others in its forward."""
 
@@ -358,7 +358,7 @@ class _FusedLayers:
             attention, mlp = layer.self_attn, layer.mlp
             modules = [getattr(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
             modules += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-            if not all(isinstance(m, Int4Linear) and m.kernel == "vnni" and m.padded_out == m.out_features
+            if not all(isinstance(m, Int4Linear) and m.kernel == "i4w" and m.padded_out == m.out_features
                        for m in modules):
                 return None
             shape["intermediate"] = modules[4].out_features

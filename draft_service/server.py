@@ -31,7 +31,7 @@ class DraftOptions:
     backend: str = "model"  # "model", "ngram" (prompt lookup) or "ngram+model"
     vocab_subset: int = 0  # FR-Spec: score only the N most frequent tokens; 0 = all
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
-    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (bf16 with AMX, else int8 activations on AVX512-VNNI), "auto": cheap.auto_quantize
+    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (bf16 with AMX, else int8 activations on tandem/i4w.c), "auto": cheap.auto_quantize
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
     lean_step: str = "auto"  # draft_service.lean: "on", "aten", "off", "auto" (for the models it supports)
 

@@ -140,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantize the draft's linear layers (CPU only): int8 = dynamic int8, computes in "
                             "float32, and its per-forward activation scales make a seeded sampled run differ "
                             "between --pipeline on and off (greedy output does not); int4 = 4-bit weights in "
-                            "groups of 32: with AMX in bf16 on aten's kernel, else with AVX512-VNNI times int8 "
+                            "groups of 32: with AMX in bf16 on aten's kernel, else with AVX512-VNNI or AVX2 times int8 "
                             "activations, one scale per group of 32 of each token (tandem/i4w.c), else in bf16 on "
-                            "aten's kernel, fast only with native bf16; auto = int4 on a CPU with AMX or AVX512-VNNI, else int8 "
+                            "aten's kernel, fast only with native bf16; auto = int4 on a CPU with AMX, AVX512-VNNI or "
+                            "AVX2, else int8 "
                             "(default: %(default)s)")
     draft.add_argument("--min-confidence", type=float, default=0.0,
                        help="greedy: end a draft block after a token the draft gives a probability below this "
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the draft model's forward as a plain loop over its layers on a preallocated KV "
                             "cache instead of Hugging Face's forward (Qwen2, Llama, Mistral): same function, "
                             "less Python per step; auto = on when the model is supported: on a CPU its layers in one C call "
-                            "when every projection is int4 on the VNNI kernel (tandem/i4w.c), on a GPU a one-token "
+                            "when every projection is int4 on tandem/i4w.c, on a GPU a one-token "
                             "step replays a CUDA graph; aten = the lean forward without either (default: %(default)s)")
     orch = serve.add_parser("orchestrator", help="the public API server")
     orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")

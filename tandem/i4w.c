@@ -1,24 +1,27 @@
 /* y[M, N] = x[M, K] · W[N, K]ᵀ on 4-bit weights in groups of G input columns,
    each group of a column with its own scale d and low value m (W ≈ d·code + m,
    code 0…15), and int8 activations in the same groups, each group of each row
-   of x with its own scale, multiplied with AVX512-VNNI's vpdpbusd
-   (tandem/i4w.py says why).
+   of x with its own scale, multiplied in int32 exactly: with AVX512-VNNI's
+   vpdpbusd, or where the CPU has no AVX512-VNNI with AVX2's vpmaddubsw and
+   vpmaddwd (tandem/i4w.py says why, and which build a CPU gets).
 
    Each group of G values of a row of x is quantized on its own: s = max|x| /
    127 over the group, q = round(x / s), so one large channel costs precision
    in its own group only (as llama.cpp's Q8_0 blocks). A group's dot product
    Σ code·q is exact in int32; the output is Σ_groups s · (d · Σ code·q + m · Σ q)
-   + bias, folded over the groups in order in float32. So an output row depends
-   on its own row of x only: not on the other rows, on M, on the threads, or on
-   how a sequence was split into forwards.
+   + bias, folded over the groups in order in float32, with the same operations
+   in both builds. So an output row depends on its own row of x only: not on
+   the other rows, on M, on the threads, on how a sequence was split into
+   forwards, or on which build computed it.
 
-   Packed W: column blocks of 64 (then of 16 for what is left); within a
-   block, for each group, for each vector of 16 columns, 320 bytes: 4 × 64
-   bytes of codes (for quad j = 0…3 of the group, lane c's 4 bytes hold the
-   codes of columns g·G + 8j + i, i = 0…3, in their low nibbles and of
-   g·G + 8j + 4 + i in their high nibbles), then the 16 columns' d and their
-   16 m in fp16. A block is read once from memory, front to back, for up to
-   ROWS rows of x. */
+   Packed W (one layout for both builds): column blocks of 64 (then of 16 for
+   what is left); within a block, for each group, for each unit of 16 columns,
+   320 bytes: 4 × 64 bytes of codes (for quad j = 0…3 of the group, lane c's 4
+   bytes hold the codes of columns g·G + 8j + i, i = 0…3, in their low nibbles
+   and of g·G + 8j + 4 + i in their high nibbles), then the 16 columns' d and
+   their 16 m in fp16. The AVX-512 build reads a block once from memory, front
+   to back, for up to ROWS rows of x; the AVX2 build, with half the registers,
+   takes a block's units one after another, each over all of its groups. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -27,18 +30,20 @@
 #include <string.h>
 
 #define G 32
-#define LANES 16
+#define UNIT_LANES 16 /* columns of a unit of the packed layout */
 #define WIDE 4
-#define BLOCK (WIDE * LANES)
-#define UNIT 320 /* bytes of one group of one vector of columns */
-#define ROWS 4 /* rows of x a pass: 16 float accumulators, 4 int32 ones and the weights */
+#define BLOCK (WIDE * UNIT_LANES)
+#define UNIT 320 /* bytes of one group of one unit of columns */
 
-/* Four activation bytes broadcast to every lane (memcpy: one load, no aliasing). */
-static inline __attribute__((always_inline)) __m512i quad(const int8_t *q) {
+/* Four activation bytes as one int32 (memcpy: one load, no aliasing). */
+static inline __attribute__((always_inline)) int32_t word4(const int8_t *q) {
     int32_t word;
     memcpy(&word, q, sizeof word);
-    return _mm512_set1_epi32(word);
+    return word;
 }
+
+#ifdef __AVX512F__
+#define ROWS 4 /* rows of x a pass: 16 float accumulators, 4 int32 ones and the weights */
 
 int tandem_i4w_supported(void) {
     __builtin_cpu_init();
@@ -46,6 +51,7 @@ int tandem_i4w_supported(void) {
            __builtin_cpu_supports("avx512vnni");
 }
 
+/* `vecs` units of columns from w on, over all groups, for M ≤ ROWS rows. */
 static inline __attribute__((always_inline)) void block(const int M, const int vecs, const int8_t *xq,
                                                         const float *xsum, const float *xscale, int64_t K,
                                                         const uint8_t *w, const float *bias, float *y, int64_t N,
@@ -66,8 +72,8 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
                 const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
                 _Pragma("GCC unroll 4") for (int m = 0; m < M; m++) {
                     const int8_t *q = xq + m * K + g * G + 8 * j;
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], lo, quad(q));
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], hi, quad(q + 4));
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(word4(q)));
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(word4(q + 4)));
                 }
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 256)));
@@ -80,11 +86,77 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
         }
     }
     _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
-        const int64_t c = n + v * LANES;
+        const int64_t c = n + v * UNIT_LANES;
         const __m512 b = bias ? _mm512_loadu_ps(bias + c) : _mm512_setzero_ps();
         _Pragma("GCC unroll 4") for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * N + c, _mm512_add_ps(acc[m][v], b));
     }
 }
+#else
+/* AVX2: 16 registers. A unit of 16 columns is two vectors of 8; 2 rows of x
+   take 4 float accumulators, 4 int16 ones, the weights and the broadcasts. */
+#define ROWS 2
+
+int tandem_i4w_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+/* One unit of 16 columns from w on, its groups `stride` bytes apart, for M ≤
+   ROWS rows. vpmaddubsw multiplies the codes (0…15, unsigned) by the
+   activations (-127…127) and adds neighbouring pairs into int16; a group's 8
+   such sums per int16 lane are at most 8 · 2 · 15 · 127 = 30480 in magnitude,
+   so they neither saturate nor wrap, and vpmaddwd by ones then gives the same
+   int32 per column as the AVX-512 build's vpdpbusd. */
+static inline __attribute__((always_inline)) void unit16(const int M, const int8_t *xq, const float *xsum,
+                                                         const float *xscale, int64_t K, const uint8_t *w,
+                                                         int64_t stride, const float *bias, float *y, int64_t N,
+                                                         int64_t n) {
+    const int64_t groups = K / G;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROWS][2];
+    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *unit = w + g * stride;
+        __m256i dot[ROWS][2];
+        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+            _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(unit + 64 * j + 32 * half));
+                const __m256i lo = _mm256_and_si256(raw, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) {
+                    const int8_t *q = xq + m * K + g * G + 8 * j;
+                    dot[m][half] = _mm256_add_epi16(dot[m][half], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word4(q))));
+                    dot[m][half] = _mm256_add_epi16(dot[m][half], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word4(q + 4))));
+                }
+            }
+        }
+        _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 256 + 16 * half)));
+            const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 288 + 16 * half)));
+            _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) {
+                const float s = xscale[m * groups + g];
+                const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m][half], ones));
+                acc[m][half] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[m][half]);
+                acc[m][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g] * s), low, acc[m][half]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
+        const int64_t c = n + 8 * half;
+        const __m256 b = bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps();
+        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) _mm256_storeu_ps(y + m * N + c, _mm256_add_ps(acc[m][half], b));
+    }
+}
+
+static inline __attribute__((always_inline)) void block(const int M, const int vecs, const int8_t *xq,
+                                                        const float *xsum, const float *xscale, int64_t K,
+                                                        const uint8_t *w, const float *bias, float *y, int64_t N,
+                                                        int64_t n) {
+    for (int v = 0; v < vecs; v++)
+        unit16(M, xq, xsum, xscale, K, w + v * UNIT, vecs * UNIT, bias, y, N, n + v * UNIT_LANES);
+}
+#endif
 
 #define BLOCKS(M)                                                                                               \
     static void blocks_##M(const int8_t *xq, const float *xsum, const float *xscale, const uint8_t *w,          \
@@ -93,20 +165,27 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
         for (int64_t b = b0; b < b1; b++) {                                                                     \
             if (b >= wide)                                                                                      \
                 block(M, 1, xq, xsum, xscale, K, w + wide * wide_bytes + (b - wide) * narrow_bytes, bias, y, N, \
-                      wide * BLOCK + (b - wide) * LANES);                                                       \
+                      wide * BLOCK + (b - wide) * UNIT_LANES);                                                  \
             else                                                                                                \
                 block(M, WIDE, xq, xsum, xscale, K, w + b * wide_bytes, bias, y, N, b * BLOCK);                 \
         }                                                                                                       \
     }
-BLOCKS(1) BLOCKS(2) BLOCKS(3) BLOCKS(4)
+BLOCKS(1) BLOCKS(2)
+#if ROWS == 4
+BLOCKS(3) BLOCKS(4)
+#endif
 
 static void rows(int M, const int8_t *xq, const float *xsum, const float *xscale, const uint8_t *w,
                  const float *bias, float *y, int64_t N, int64_t K, int64_t b0, int64_t b1) {
     switch (M) {
     case 1: blocks_1(xq, xsum, xscale, w, bias, y, N, K, b0, b1); break;
+#if ROWS == 4
     case 2: blocks_2(xq, xsum, xscale, w, bias, y, N, K, b0, b1); break;
     case 3: blocks_3(xq, xsum, xscale, w, bias, y, N, K, b0, b1); break;
     default: blocks_4(xq, xsum, xscale, w, bias, y, N, K, b0, b1); break;
+#else
+    default: blocks_2(xq, xsum, xscale, w, bias, y, N, K, b0, b1); break;
+#endif
     }
 }
 
@@ -138,7 +217,7 @@ void tandem_i4w_linear(const float *x, const uint8_t *w, const float *bias, floa
     float *xscale = (float *)scratch, *xsum = xscale + M * (K / G);
     int8_t *xq = (int8_t *)(xsum + M * (K / G));
     quantize(x, xq, xscale, xsum, M, K);
-    const int64_t nblocks = N / BLOCK + (N % BLOCK) / LANES;
+    const int64_t nblocks = N / BLOCK + (N % BLOCK) / UNIT_LANES;
     for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
         const int now = (int)(M - m0 < ROWS ? M - m0 : ROWS);
         const int8_t *q = xq + m0 * K;
@@ -167,35 +246,89 @@ void tandem_i4w_linear(const float *x, const uint8_t *w, const float *bias, floa
    path (another softmax and exp), which only the draft's agreement can feel:
    the target verifies every token. */
 
+/* Vectors of VL floats for the layers' own arithmetic: 16 with AVX-512, 8 with
+   AVX2. Sums across a vector's lanes are taken in another order in the two
+   builds, so the layers are not bit-equal between them (the linear layers are). */
+#ifdef __AVX512F__
+#define VL 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(f) _mm512_set1_ps(f)
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSUM(v) _mm512_reduce_add_ps(v)
+typedef __mmask16 vmask;
+static inline vmask tail(int64_t left) { return left >= 16 ? (vmask)0xFFFF : (vmask)((1u << left) - 1); }
+#define VLOAD_TAIL(m, p) _mm512_maskz_loadu_ps(m, p) /* zeros past the tail */
+#define VSTORE_TAIL(m, p, v) _mm512_mask_storeu_ps(p, m, v)
+#define VKEEP(m, v) _mm512_maskz_mov_ps(m, v)
+
 /* e^x for x ≤ 88, the float32 polynomial of Cephes' expf (relative error about 1e-7). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-103.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+static inline vf vexp(vf x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, VSET1(88.0f)), VSET1(-103.0f));
+    const vf n = _mm512_roundscale_ps(VMUL(x, VSET1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+#define VL 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(f) _mm256_set1_ps(f)
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VSUB(a, b) _mm256_sub_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float VSUM(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+typedef __m256i vmask; /* all ones in the lanes kept */
+static inline vmask tail(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#define VLOAD_TAIL(m, p) _mm256_maskload_ps(p, m)
+#define VSTORE_TAIL(m, p, v) _mm256_maskstore_ps(p, m, v)
+#define VKEEP(m, v) _mm256_and_ps(_mm256_castsi256_ps(m), v)
+
+/* e^x for x ≤ 88, as above; below -87 (where 2^n would leave the normal floats
+   this build can scale by) it gives e^-87, about 1.6e-38. */
+static inline vf vexp(vf x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, VSET1(88.0f)), VSET1(-87.0f));
+    const vf n = _mm256_round_ps(VMUL(x, VSET1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    x = VFMA(VSUB(VZERO(), n), VSET1(0.693359375f), x);
+    x = VFMA(VSUB(VZERO(), n), VSET1(-2.12194440e-4f), x);
+    vf y = VSET1(1.9875691500e-4f);
+    y = VFMA(y, x, VSET1(1.3981999507e-3f));
+    y = VFMA(y, x, VSET1(8.3334519073e-3f));
+    y = VFMA(y, x, VSET1(4.1665795894e-2f));
+    y = VFMA(y, x, VSET1(1.6666665459e-1f));
+    y = VFMA(y, x, VSET1(5.0000001201e-1f));
+    y = VFMA(y, VMUL(x, x), VADD(x, VSET1(1.0f)));
+#ifdef __AVX512F__
     return _mm512_scalef_ps(y, n); /* y · 2^n */
+#else
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return VMUL(y, _mm256_castsi256_ps(exponent)); /* y · 2^n, n ≥ -126 */
+#endif
 }
 
-static inline __mmask16 tail(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
-
-/* out = RMSNorm(x) · weight, over n values (n % 16 == 0). */
+/* out = RMSNorm(x) · weight, over n values (n % VL == 0). */
 static void rms_norm(const float *x, const float *weight, float eps, float *out, int64_t n) {
-    __m512 sq = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        sq = _mm512_fmadd_ps(v, v, sq);
+    vf sq = VZERO();
+    for (int64_t i = 0; i < n; i += VL) {
+        const vf v = VLOAD(x + i);
+        sq = VFMA(v, v, sq);
     }
-    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)n + eps));
-    for (int64_t i = 0; i < n; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), r)));
+    const vf r = VSET1(1.0f / sqrtf(VSUM(sq) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += VL) VSTORE(out + i, VMUL(VLOAD(weight + i), VMUL(VLOAD(x + i), r)));
 }
 
 /* x·cos + rotate_half(x)·sin for `heads` vectors of d values (Hugging Face's rotary). */
@@ -219,28 +352,27 @@ static void attend(const float *q, const float *keys, const float *values, int64
     float top = -INFINITY;
     for (int64_t j = 0; j < len; j++) {
         const float *k = keys + j * d;
-        __m512 acc = _mm512_setzero_ps();
-        for (int i = 0; i < d; i += 16) {
-            const __mmask16 m = tail(d - i);
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), _mm512_maskz_loadu_ps(m, k + i), acc);
+        vf acc = VZERO();
+        for (int i = 0; i < d; i += VL) {
+            const vmask m = tail(d - i);
+            acc = VFMA(VLOAD_TAIL(m, q + i), VLOAD_TAIL(m, k + i), acc);
         }
-        scores[j] = _mm512_reduce_add_ps(acc) * scale;
+        scores[j] = VSUM(acc) * scale;
         top = fmaxf(top, scores[j]);
     }
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j += 16) {
-        const __mmask16 m = tail(len - j);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), _mm512_set1_ps(top)));
-        _mm512_mask_storeu_ps(scores + j, m, e);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    vf total = VZERO();
+    for (int64_t j = 0; j < len; j += VL) {
+        const vmask m = tail(len - j);
+        const vf e = vexp(VSUB(VLOAD_TAIL(m, scores + j), VSET1(top)));
+        VSTORE_TAIL(m, scores + j, e);
+        total = VADD(total, VKEEP(m, e));
     }
-    const float inv = 1.0f / _mm512_reduce_add_ps(total);
-    for (int i = 0; i < d; i += 16) {
-        const __mmask16 m = tail(d - i);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < len; j++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, values + j * d + i), acc);
-        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    const float inv = 1.0f / VSUM(total);
+    for (int i = 0; i < d; i += VL) {
+        const vmask m = tail(d - i);
+        vf acc = VZERO();
+        for (int64_t j = 0; j < len; j++) acc = VFMA(VSET1(scores[j]), VLOAD_TAIL(m, values + j * d + i), acc);
+        VSTORE_TAIL(m, out + i, VMUL(acc, VSET1(inv)));
     }
 }
 
@@ -294,10 +426,10 @@ int tandem_i4w_layers(const int64_t *table, int L, float *x, int M, int H, int h
         for (int m = 0; m < M; m++) rms_norm(x + m * H, F(NORM2), eps2, h + m * H, H);
         tandem_i4w_linear(h, W(WGATE), F(BGATE), gate, scratch, M, I, H, threads);
         tandem_i4w_linear(h, W(WUP), F(BUP), up, scratch, M, I, H, threads);
-        for (int64_t i = 0; i < M * I; i += 16) { /* silu(gate) · up */
-            const __m512 g = _mm512_loadu_ps(gate + i);
-            const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_storeu_ps(gate + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+        for (int64_t i = 0; i < M * I; i += VL) { /* silu(gate) · up */
+            const vf g = VLOAD(gate + i);
+            const vf silu = VDIV(g, VADD(VSET1(1.0f), vexp(VSUB(VZERO(), g))));
+            VSTORE(gate + i, VMUL(silu, VLOAD(up + i)));
         }
         tandem_i4w_linear(gate, W(WDOWN), F(BDOWN), out, scratch, M, H, I, threads);
         for (int64_t i = 0; i < M * H; i++) x[i] += out[i];

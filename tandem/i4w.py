@@ -42,17 +42,39 @@ GROUP = 32  # input channels per scale, fixed in the C source
 UNIT = 320  # bytes of one group of 16 columns: 256 of codes, 32 of scales, 32 of low values
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them; empty where it is unreadable."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vnni"]
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+
+
 def _flags() -> list[str]:
-    if cpu_capability() != "AVX512":  # never load AVX-512 code on a CPU without it; VNNI is checked after loading
-        raise RuntimeError("this CPU has no AVX-512")
-    return ["-mavx512f", "-mavx512bw", "-mavx512vnni"]
+    """The AVX512-VNNI build where the CPU has it, else the AVX2 one (the same
+    linear layers bit for bit: tandem/i4w.c). Each build checks the CPU again
+    once loaded."""
+    capability = cpu_capability()
+    if capability == "AVX512" and {"avx512bw", "avx512_vnni"} <= cpu_flags():
+        return AVX512_FLAGS
+    if capability in ("AVX512", "AVX2"):
+        return AVX2_FLAGS
+    raise RuntimeError("this CPU has neither AVX2 nor AVX-512")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.tandem_i4w_supported.argtypes = []
     lib.tandem_i4w_supported.restype = ctypes.c_int
     if not lib.tandem_i4w_supported():
-        raise RuntimeError("this CPU has no AVX512-VNNI (with AVX512-BW)")
+        raise RuntimeError("this CPU lacks the instructions the i4w build needs (AVX512-VNNI, or AVX2, FMA and F16C)")
     lib.tandem_i4w_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tandem_i4w_linear.restype = None
     lib.tandem_i4w_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6
@@ -85,12 +107,14 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.T
     return torch.cat(parts).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [M, K] float32 contiguous → [M, out_features] float32 (bias float32 or None)."""
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+           kernel: CKernel = KERNEL) -> torch.Tensor:
+    """x [M, K] float32 contiguous → [M, out_features] float32 (bias float32 or
+    None); `kernel`: another build of tandem/i4w.c, for tests."""
     assert x.ndim == 2 and x.dtype == torch.float32 and x.is_contiguous(), (x.shape, x.dtype)
-    lib = library()
+    lib = kernel.library()
     if lib is None:
-        raise RuntimeError(f"the i4w kernel is unavailable: {unavailable()}")
+        raise RuntimeError(f"the i4w kernel is unavailable: {kernel.unavailable()}")
     rows, cols = x.shape  # [M, K]
     assert packed.numel() == out_features * cols * UNIT // (16 * GROUP), (packed.numel(), out_features, cols)
     scratch = torch.empty(rows * (cols + 8 * (cols // GROUP)), dtype=torch.uint8)

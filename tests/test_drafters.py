@@ -141,15 +141,15 @@ def _group_dequantized(weight, group):
 def _int4_kernels():
     from tandem import i4w
 
-    vnni = pytest.mark.skipif(i4w.unavailable() is not None, reason=f"i4w kernel: {i4w.unavailable()}")
-    return ["aten", pytest.param("vnni", marks=vnni)]
+    runs = pytest.mark.skipif(i4w.unavailable() is not None, reason=f"i4w kernel: {i4w.unavailable()}")
+    return ["aten", pytest.param("i4w", marks=runs)]
 
 
 @pytest.mark.parametrize("kernel", _int4_kernels())
 @pytest.mark.parametrize("out_features,bias", [(64, True), (40, False), (24, True), (208, True)])
 def test_int4_linear_computes_its_group_quantized_weights(out_features, bias, kernel):
     """Int4Linear computes x·Wq + b with Wq the 16-level rounding of each
-    32-channel group (within bf16 rounding, or the vnni kernel's int8
+    32-channel group (within bf16 rounding, or the i4w kernel's int8
     activations), Wq is within half a step of W, and output widths that are not
     a multiple of the kernels' 16 come out whole."""
     import torch
@@ -164,7 +164,7 @@ def test_int4_linear_computes_its_group_quantized_weights(out_features, bias, ke
     layer = Int4Linear(linear, group=32, kernel=kernel)
     y = layer(x)
     assert y.shape == (5, out_features)
-    assert y.dtype == {"aten": torch.bfloat16, "vnni": torch.float32}[kernel]
+    assert y.dtype == {"aten": torch.bfloat16, "i4w": torch.float32}[kernel]
     weight = linear.weight.detach()
     dequantized, step = _group_dequantized(weight, 32)
     assert torch.all((dequantized - weight).reshape(out_features, 3, 32).abs() <= step / 2 + 1e-6)
@@ -178,7 +178,7 @@ def test_int4_linear_computes_its_group_quantized_weights(out_features, bias, ke
 
 
 @pytest.mark.parametrize("out_features", [16, 80, 208])
-def test_vnni_int4_kernel_computes_each_row_on_its_own(out_features):
+def test_i4w_int4_kernel_computes_each_row_on_its_own(out_features):
     """tandem/i4w.c: each group of 32 of each row of x quantized to int8 with its
     own scale, times the packed codes, scales and low values, gives the test's
     own float64 reference to float32 rounding; and a row's output is bit for bit
@@ -226,6 +226,43 @@ def test_vnni_int4_kernel_computes_each_row_on_its_own(out_features):
         torch.set_num_threads(threads)
     unbiased = i4w.linear(x, packed, None, out_features)
     torch.testing.assert_close(unbiased.double(), reference - bias.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_i4w_builds_for_avx512_vnni_where_the_cpu_has_it_else_for_avx2(monkeypatch):
+    """An AVX-512 CPU without VNNI (Skylake-SP) gets the AVX2 build rather than none."""
+    from tandem import i4w
+
+    for capability, flags, expected in [("AVX512", {"avx512bw", "avx512_vnni"}, i4w.AVX512_FLAGS),
+                                        ("AVX512", {"avx512bw"}, i4w.AVX2_FLAGS), ("AVX2", set(), i4w.AVX2_FLAGS)]:
+        monkeypatch.setattr(i4w, "cpu_capability", lambda: capability)
+        monkeypatch.setattr(i4w, "cpu_flags", lambda: flags)
+        assert i4w._flags() == expected
+    monkeypatch.setattr(i4w, "cpu_capability", lambda: None)
+    with pytest.raises(RuntimeError, match="neither AVX2 nor AVX-512"):
+        i4w._flags()
+
+
+def test_the_avx2_build_of_i4w_gives_the_avx512_builds_bits(tmp_path, monkeypatch):
+    """Both builds take each group's exact int32 dot product (vpdpbusd, or
+    vpmaddubsw + vpmaddwd) and fold the groups with the same float32
+    operations, so a draft computes the same logits on either kind of CPU."""
+    import torch
+
+    from draft_service.cheap import quantize_groups
+    from tandem import i4w
+    from tandem.ckernel import CKernel
+
+    if i4w.unavailable() is not None or i4w._flags() != i4w.AVX512_FLAGS:
+        pytest.skip("needs a CPU with AVX512-VNNI, to compare its build with the AVX2 one")
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    avx2 = CKernel("i4w-avx2", i4w.KERNEL.source, lambda: i4w.AVX2_FLAGS, i4w._declare)
+    torch.manual_seed(4)
+    weight = torch.randn(208, 256)
+    packed = i4w.pack(*quantize_groups(weight, i4w.GROUP))
+    bias = torch.randn(208)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 256) * 3
+        assert torch.equal(i4w.linear(x, packed, bias, 208, kernel=avx2), i4w.linear(x, packed, bias, 208))
 
 
 @pytest.mark.parametrize("kernel", _int4_kernels())
@@ -276,15 +313,15 @@ def test_int4_draft_quantizes_every_linear_layer_it_can(tiny_models):
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
 
 
-def test_quantize_auto_picks_int4_with_amx_or_the_vnni_kernel(monkeypatch):
-    """int4 on aten's kernel with AMX, on tandem/i4w.c with AVX512-VNNI and no
+def test_quantize_auto_picks_int4_with_amx_or_the_i4w_kernel(monkeypatch):
+    """int4 on aten's kernel with AMX, on tandem/i4w.c (AVX512-VNNI or AVX2) and no
     AMX, int8 elsewhere on a CPU, nothing on a GPU."""
     from draft_service import cheap
     from tandem import cpu_kernels, i4w
 
-    for amx, vnni, quantize, kernel in [(True, True, "int4", "aten"), (True, False, "int4", "aten"),
-                                        (False, True, "int4", "vnni"), (False, False, "int8", "aten")]:
+    for amx, runs, quantize, kernel in [(True, True, "int4", "aten"), (True, False, "int4", "aten"),
+                                        (False, True, "int4", "i4w"), (False, False, "int8", "aten")]:
         monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: amx)
-        monkeypatch.setattr(i4w, "unavailable", lambda: None if vnni else "no AVX512-VNNI")
+        monkeypatch.setattr(i4w, "unavailable", lambda: None if runs else "no AVX2")
         assert (cheap.auto_quantize("cpu"), cheap.int4_kernel()) == (quantize, kernel)
         assert cheap.auto_quantize("cuda:0") == "none"

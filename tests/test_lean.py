@@ -86,14 +86,14 @@ def test_lean_forward_matches_hugging_face_in_bf16(tiny_models, quantize):
 
 
 @pytest.mark.skipif(i4w.unavailable() is not None, reason=f"i4w kernel: {i4w.unavailable()}")
-def test_lean_forward_matches_hugging_face_on_the_vnni_int4_kernel(tiny_models):
-    """The draft as a CPU with AVX512-VNNI and no AMX runs it (`--quantize
+def test_lean_forward_matches_hugging_face_on_the_i4w_int4_kernel(tiny_models):
+    """The draft as a CPU without AMX runs it (`--quantize
     auto`): float32, int4 weights on tandem/i4w.c. Both forwards call the same
     layers, so they agree but for where another attention path moves an
     activation across an int8 rounding boundary."""
     loaded = load(ModelConfig(tiny_models["other"], dtype="float32", linear="native"), pack=False)
-    loaded = replace(loaded, model=quantize_int4(loaded.model, kernel="vnni"))
-    assert {m.kernel for m in loaded.model.modules() if isinstance(m, Int4Linear)} == {"vnni"}
+    loaded = replace(loaded, model=quantize_int4(loaded.model, kernel="i4w"))
+    assert {m.kernel for m in loaded.model.modules() if isinstance(m, Int4Linear)} == {"i4w"}
     prompt = [(7 * i + 3) % 60 + 1 for i in range(20)]
     clear = _same_steps(loaded, [prompt, [9], [11], [2, 3, 1], [17]], atol=1e-3, rtol=1e-3)
     assert clear >= 13  # of 26 positions
@@ -101,13 +101,13 @@ def test_lean_forward_matches_hugging_face_on_the_vnni_int4_kernel(tiny_models):
 
 @pytest.mark.skipif(i4w.unavailable() is not None, reason=f"i4w kernel: {i4w.unavailable()}")
 def test_the_fused_i4w_layers_match_the_per_op_path_and_keep_each_row_on_its_own(tiny_models):
-    """With every projection int4 on the vnni kernel, feeds of up to 16 tokens
+    """With every projection int4 on the i4w kernel, feeds of up to 16 tokens
     run the layer stack in one C call (tandem_i4w_layers). It computes the
     per-op lean forward's function (another softmax: not bit for bit), and a
     token's hidden state is the same bits whether it was fed alone or with
     others, so a seeded sampled run cannot depend on how the draft was fed."""
     loaded = load(ModelConfig(tiny_models["other"], dtype="float32", linear="native"), pack=False)
-    loaded = replace(loaded, model=quantize_int4(loaded.model, kernel="vnni"))
+    loaded = replace(loaded, model=quantize_int4(loaded.model, kernel="i4w"))
     torch.manual_seed(3)
     for layer in loaded.model.base_model.layers:  # the tiny model's norms are all ones: make each its own
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
