@@ -1,5 +1,7 @@
-"""4-bit weights times int8 activations on AVX512-VNNI (tandem/i4w.c): the int4
-draft's kernel on CPUs without AMX.
+"""4-bit weights times int8 activations (tandem/i4w.c), on AVX512-VNNI or, where
+the CPU lacks it, on AVX2: the int4 draft's kernel on CPUs without AMX. Both
+builds take each group's dot product exactly in int32 and fold the groups with
+the same float32 operations, so their linear layers give the same bits.
 
 Why: a draft step streams all of the draft's weights for one token, so it costs
 what its bytes cost. On a 2-core Zen 4 EPYC VM (AVX512-VNNI, no AMX, one thread;
@@ -26,6 +28,13 @@ token a forward, 32k head; Zen 4 VM, 2026-11-26): float32 0.781, int8 on FBGEMM
 0.775, int4 on this kernel 0.768 (the same with one activation scale per token
 instead of per group), int4 weights with float32 activations 0.779. Each
 hundredth is about 5 of the 512 positions.
+
+The AVX2 build, on a 2-core Zen 3 EPYC VM (no AVX-512; 2026-11-27, one pinned
+thread): the same layers and head, one token, 21.9–22.7 ms best of 8 (10.6–11.0
+GB/s, against 14.6–18.3 GB/s for a torch sum over as many bytes); the draft step
+of the draft service (lean, layers in one C call, 32k head) 21.5–23.7 ms against
+56.5–58.8 ms with int8 on FBGEMM, and pinned Tandem back to back ran (b) 18.2%
+and (d) 17.1% faster with it (bench/RESULTS.md).
 
 `layers` runs a Llama-family layer stack on these layers in one C call, for
 the draft's lean step (draft_service.lean)."""
