@@ -51,16 +51,12 @@ GROUP = 32  # input channels per scale, fixed in the C source
 UNIT = 320  # bytes of one group of 16 columns: 256 of codes, 32 of scales, 32 of low values
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them; empty where it is unreadable."""
+def cpu_features() -> dict:
+    """The CPU's features as torch's cpuinfo reports them ({"avx512_vnni": True, ...}); empty where it cannot."""
     try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+        return torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):
+        return {}
 
 
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vnni"]
@@ -72,7 +68,8 @@ def _flags() -> list[str]:
     linear layers bit for bit: tandem/i4w.c). Each build checks the CPU again
     once loaded."""
     capability = cpu_capability()
-    if capability == "AVX512" and {"avx512bw", "avx512_vnni"} <= cpu_flags():
+    features = cpu_features()
+    if capability == "AVX512" and features.get("avx512_bw") and features.get("avx512_vnni"):
         return AVX512_FLAGS
     if capability in ("AVX512", "AVX2"):
         return AVX2_FLAGS

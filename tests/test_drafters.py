@@ -232,10 +232,11 @@ def test_i4w_builds_for_avx512_vnni_where_the_cpu_has_it_else_for_avx2(monkeypat
     """An AVX-512 CPU without VNNI (Skylake-SP) gets the AVX2 build rather than none."""
     from tandem import i4w
 
-    for capability, flags, expected in [("AVX512", {"avx512bw", "avx512_vnni"}, i4w.AVX512_FLAGS),
-                                        ("AVX512", {"avx512bw"}, i4w.AVX2_FLAGS), ("AVX2", set(), i4w.AVX2_FLAGS)]:
+    vnni, no_vnni = {"avx512_bw": True, "avx512_vnni": True}, {"avx512_bw": True, "avx512_vnni": False}
+    for capability, features, expected in [("AVX512", vnni, i4w.AVX512_FLAGS), ("AVX512", no_vnni, i4w.AVX2_FLAGS),
+                                           ("AVX2", {}, i4w.AVX2_FLAGS)]:
         monkeypatch.setattr(i4w, "cpu_capability", lambda: capability)
-        monkeypatch.setattr(i4w, "cpu_flags", lambda: flags)
+        monkeypatch.setattr(i4w, "cpu_features", lambda: features)
         assert i4w._flags() == expected
     monkeypatch.setattr(i4w, "cpu_capability", lambda: None)
     with pytest.raises(RuntimeError, match="neither AVX2 nor AVX-512"):
