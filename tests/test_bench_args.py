@@ -47,7 +47,7 @@ def test_hf_assisted_runs_as_configured_and_keeps_the_target_output(tiny_models)
 
 def test_best_ceiling_is_the_highest_among_the_pinned_pipelined_modes():
     from bench.common import ModeResult
-    from bench.nodes import best_ceiling
+    from bench.nodes_report import best_ceiling
 
     modes = {"b_sequential": ModeResult(ceiling_tok_s=20.0),  # not pipelined
              "c_pipelined_k2": ModeResult(ceiling_tok_s=12.7),
