@@ -35,6 +35,14 @@ def cpu_capability() -> str | None:
     return capability if capability in ("AVX512", "AVX2") else None
 
 
+def cpu_features() -> dict:
+    """The CPU's features as torch's cpuinfo reports them ({"avx512_vnni": True, ...}); empty where it cannot."""
+    try:
+        return torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):
+        return {}
+
+
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 

@@ -45,18 +45,10 @@ from pathlib import Path
 
 import torch
 
-from tandem.ckernel import CKernel, cpu_capability
+from tandem.ckernel import CKernel, cpu_capability, cpu_features
 
 GROUP = 32  # input channels per scale, fixed in the C source
 UNIT = 320  # bytes of one group of 16 columns: 256 of codes, 32 of scales, 32 of low values
-
-
-def cpu_features() -> dict:
-    """The CPU's features as torch's cpuinfo reports them ({"avx512_vnni": True, ...}); empty where it cannot."""
-    try:
-        return torch.cpu.get_capabilities()
-    except (AttributeError, RuntimeError):
-        return {}
 
 
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vnni"]
