@@ -27,11 +27,12 @@ draft token, so any change to the draft costs acceptance, never correctness.
   g32 0.922/0.961/0.610/0.648 (0.785), 34.3 ms; int4 g64 0.780, 32.9 ms; int4
   g128 0.768, 32.4 ms. The kernel is fast only with native bf16: the same
   layers took 25 ms in bf16 and 582 ms with float32 activations there.
-  On CPUs without AMX the same weights run on tandem/i4w.c instead (AVX512-VNNI,
-  or AVX2 where the CPU lacks it), times activations quantized to int8 one
-  token at a time, in groups of 32 (so a token's probabilities still do not
-  depend on which tokens shared its forward); tandem/i4w.py has its
-  measurements."""
+  Wherever tandem/i4w.c runs (AVX512-VNNI, or AVX2 where the CPU lacks it),
+  AMX CPUs included, the same weights run there by default instead, times
+  activations quantized to int8 one token at a time, in groups of 32 (so a
+  token's probabilities still do not depend on which tokens shared its
+  forward); tandem/i4w.py has its measurements. aten's kernel stays for other
+  CPUs and for --int4-kernel aten."""
 from __future__ import annotations
 
 import logging
@@ -69,27 +70,35 @@ QUANTIZE = ("none", "int8", "int4", "auto")
 
 
 def auto_quantize(device: str) -> str:
-    """--quantize auto: int4 on a CPU with AMX (aten's kernel) or where
-    tandem/i4w.c runs (AVX512-VNNI or AVX2), where each was measured faster
-    than int8; int8 on other CPUs (aten's int4 kernel needs native bf16 to be
-    fast at all, and on a Zen 4 EPYC with AVX512-BF16 but no AMX it stepped in
-    34.5-36.4 ms against int8's 30.3-33.8: bench/RESULTS.md); none on a GPU."""
+    """--quantize auto: int4 where tandem/i4w.c runs (AVX512-VNNI or AVX2) or
+    on a CPU with AMX (aten's kernel), where each was measured faster than int8;
+    int8 on other CPUs (aten's int4 kernel needs native bf16 to be fast at all,
+    and on a Zen 4 EPYC with AVX512-BF16 but no AMX it stepped in 34.5-36.4 ms
+    against int8's 30.3-33.8: bench/RESULTS.md); none on a GPU."""
     from tandem.cpu_kernels import amx_bf16
 
     if device != "cpu":
         return "none"
-    return "int4" if amx_bf16() or int4_kernel() == "i4w" else "int8"
+    return "int4" if int4_kernel() == "i4w" or amx_bf16() else "int8"
 
 
-def int4_kernel() -> str:
-    """Which kernel Int4Linear multiplies with by default: aten's on a CPU with
-    AMX (measured there, bf16 activations), tandem/i4w.c's where the CPU has
-    AVX512-VNNI or AVX2 (tandem/i4w.py has the measurements), else aten's."""
-    from tandem.cpu_kernels import amx_bf16
+INT4_KERNELS = ("auto", "i4w", "aten")
 
-    if amx_bf16() or i4w.unavailable() is not None:
-        return "aten"
-    return "i4w"
+
+def int4_kernel(choice: str = "auto") -> str:
+    """Which kernel Int4Linear multiplies with: `choice`, or for "auto"
+    tandem/i4w.c wherever it runs (AVX512-VNNI or AVX2), else aten's. With the
+    draft's layers in one C call (draft_service.lean), i4w's step is the cheaper
+    one on AMX too: 20.1-20.3 ms against aten's 36.0-36.5 ms on a 2-core Xeon VM
+    with AMX, one pinned thread (bench/RESULTS.md)."""
+    if choice not in INT4_KERNELS:
+        raise ValueError(f"int4 kernel must be one of {INT4_KERNELS}, got {choice!r}")
+    if choice == "aten":
+        return choice
+    reason = i4w.unavailable()
+    if choice == "i4w" and reason is not None:
+        raise ValueError(f"the i4w int4 kernel does not run here: {reason}")
+    return "i4w" if reason is None else "aten"
 
 
 class Int4Linear(torch.nn.Module):
@@ -201,15 +210,17 @@ class ReducedHead:
     """Logits over a token subset, scattered into a full-vocabulary row (-inf elsewhere)."""
 
     def __init__(self, lm_head_weight: torch.Tensor, token_ids: torch.Tensor, quantize: str = "none",
-                 kernel: str = "native"):
+                 kernel: str = "native", int4: str | None = None):
         """quantize: "int8" or "int4" as the rest of the draft, else "none";
         kernel: the linear kernel of the rest of the model when not quantized
         (tandem.cpu_kernels.resolve_linear): "packed" or "fp16" replace the
-        subset's nn.Linear as they do the model's."""
+        subset's nn.Linear as they do the model's; int4: Int4Linear's kernel
+        (default int4_kernel())."""
         assert lm_head_weight.ndim == 2 and token_ids.ndim == 1
         self.vocab_size = lm_head_weight.shape[0]
         self.token_ids = token_ids.to(lm_head_weight.device)
-        int4_input = torch.bfloat16 if quantize == "int4" and int4_kernel() == "aten" else torch.float32
+        int4 = int4 or int4_kernel()
+        int4_input = torch.bfloat16 if quantize == "int4" and int4 == "aten" else torch.float32
         self.input_dtype = {"int8": torch.float32, "int4": int4_input}.get(quantize, lm_head_weight.dtype)
         linear = torch.nn.Linear(lm_head_weight.shape[1], len(token_ids), bias=False, dtype=self.input_dtype,
                                  device=lm_head_weight.device)
@@ -217,7 +228,7 @@ class ReducedHead:
         if quantize == "int8":
             self.linear = quantize_int8(torch.nn.Sequential(linear))[0]
         elif quantize == "int4" and linear.in_features % INT4_GROUP == 0:
-            self.linear = Int4Linear(linear, wide_rows=None)  # one row per call
+            self.linear = Int4Linear(linear, wide_rows=None, kernel=int4)  # one row per call
         else:
             self.linear = linear if kernel == "native" else pack_linear(linear, kernel)
 

@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from draft_service.cheap import (QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel, quantize_int4,
+from draft_service.cheap import (INT4_KERNELS, QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel, quantize_int4,
                                  quantize_int8)
 from draft_service.lean import LEAN_STEP, lean_runner
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
@@ -34,6 +34,7 @@ class DraftOptions:
     quantize: str = "none"  # "int8" (dynamic, float32), "int4" (bf16 with AMX, else int8 activations on tandem/i4w.c), "auto": cheap.auto_quantize
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
     lean_step: str = "auto"  # draft_service.lean: "on", "aten", "off", "auto" (for the models it supports)
+    int4_kernel: str = "auto"  # Int4Linear's kernel under quantize="int4": "i4w", "aten", "auto": cheap.int4_kernel
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -46,12 +47,15 @@ class DraftOptions:
             raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
         if self.lean_step not in LEAN_STEP:
             raise ValueError(f"lean_step must be one of {LEAN_STEP}, got {self.lean_step!r}")
+        if self.int4_kernel not in INT4_KERNELS:
+            raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
 
     @property
     def label(self) -> str:
         label = self.backend
         if self.backend != "ngram":
             label += f"/{self.quantize}" if self.quantize != "none" else ""
+            label += f"({self.int4_kernel})" if self.quantize == "int4" and self.int4_kernel != "auto" else ""
             label += f"/vocab={self.vocab_subset}" if self.vocab_subset else ""
             label += f"/confidence>={self.min_confidence:g}" if self.min_confidence else ""
         return label
@@ -72,13 +76,14 @@ def _load_draft(model: ModelConfig, options: DraftOptions) -> tuple[LoadedModel,
     if options.quantize == "int8":
         info = replace(info, model=quantize_int8(info.model))
     elif options.quantize == "int4":
-        info = replace(info, model=quantize_int4(info.model))
+        info = replace(info, model=quantize_int4(info.model, kernel=int4_kernel(options.int4_kernel)))
     elif model.packed:
         pack_linears(info.model, model.kernel)
     head = None
     if options.vocab_subset:
         ids = frequent_token_ids(info.vocab_size, options.vocab_subset, list(_special_ids(info)))
-        head = ReducedHead(lm_head, ids, quantize=options.quantize, kernel=model.kernel)
+        int4 = int4_kernel(options.int4_kernel) if options.quantize == "int4" else None
+        head = ReducedHead(lm_head, ids, quantize=options.quantize, kernel=model.kernel, int4=int4)
         log.info("reduced draft head: %d of %d tokens", len(ids), info.vocab_size)
     return info, head
 
@@ -101,7 +106,10 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if options.quantize != "none" and model.device != "cpu":
             kernel = "fbgemm" if options.quantize == "int8" else "CPU int4 kernels"
             raise ValueError(f"--quantize {options.quantize} runs on the CPU only ({kernel}), not on {model.device}")
-        int4 = int4_kernel() if options.quantize == "int4" else None
+        int4 = int4_kernel(options.int4_kernel) if options.quantize == "int4" else None
+        if int4:
+            options = replace(options, int4_kernel=int4)
+            self.backend = options.label  # names the kernel auto chose
         compute = {"int8": "float32", "int4": "bfloat16" if int4 == "aten" else "float32"}.get(options.quantize)
         if compute and model.resolved_dtype != compute:
             log.info("%s quantization computes in %s: loading the draft in %s", options.quantize, compute, compute)

@@ -140,10 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantize the draft's linear layers (CPU only): int8 = dynamic int8, computes in "
                             "float32, and its per-forward activation scales make a seeded sampled run differ "
                             "between --pipeline on and off (greedy output does not); int4 = 4-bit weights in "
-                            "groups of 32: with AMX in bf16 on aten's kernel, else with AVX512-VNNI or AVX2 times int8 "
-                            "activations, one scale per group of 32 of each token (tandem/i4w.c), else in bf16 on "
-                            "aten's kernel, fast only with native bf16; auto = int4 on a CPU with AMX, AVX512-VNNI or "
-                            "AVX2, else int8 "
+                            "groups of 32, on the kernel --int4-kernel names; auto = int4 on a CPU with AVX512-VNNI, "
+                            "AVX2 or AMX, else int8 "
+                            "(default: %(default)s)")
+    draft.add_argument("--int4-kernel", default="auto", choices=["auto", "i4w", "aten"],
+                       help="the kernel of --quantize int4: i4w = tandem/i4w.c (AVX512-VNNI or AVX2, int8 "
+                            "activations, the draft's layers in one C call), aten = aten's CPU int4 kernel (bf16 "
+                            "activations, fast only with native bf16); auto = i4w wherever it runs, else aten "
                             "(default: %(default)s)")
     draft.add_argument("--min-confidence", type=float, default=0.0,
                        help="greedy: end a draft block after a token the draft gives a probability below this "
@@ -260,7 +263,7 @@ def _serve(args) -> None:
 
                 options = DraftOptions(backend=args.backend, vocab_subset=args.vocab_subset, ngram_max=args.ngram_max,
                                        quantize=args.quantize, min_confidence=args.min_confidence,
-                                       lean_step=args.lean_step)
+                                       lean_step=args.lean_step, int4_kernel=args.int4_kernel)
                 server, port, health, servicer = build_server(address, model, cache, options)
             draining = servicer.draining
         return server, port, health, servicer, name, draining

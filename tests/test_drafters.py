@@ -1,7 +1,10 @@
 """Draft backends: prompt lookup, the reduced head, int8 and int4 quantization, and end
 to end with each of them the output still equals the target alone."""
+from dataclasses import replace
+
 import pytest
 
+from draft_service.cheap import int4_kernel
 from draft_service.ngram import lookup
 from draft_service.server import DraftOptions
 from tests.conftest import DEVICE, Cluster, reference_greedy
@@ -24,7 +27,8 @@ REPEATING = [10, 20, 30, 40, 50, 60, 10, 20, 30, 40, 50, 60, 10, 20]
     DraftOptions(backend="model", vocab_subset=100),
     DraftOptions(backend="model", vocab_subset=100, lean_step="off"),  # Hugging Face's forward
     DraftOptions(backend="model", quantize="int8", vocab_subset=100),
-    DraftOptions(backend="model", quantize="int4", vocab_subset=100),
+    DraftOptions(backend="model", quantize="int4", vocab_subset=100),  # i4w where it runs
+    DraftOptions(backend="model", quantize="int4", int4_kernel="aten", vocab_subset=100),
 ])
 def test_backends_stay_lossless_end_to_end(tiny_models, options):
     """Greedy output equals the target alone with every backend; a seeded sampled
@@ -43,6 +47,8 @@ def test_backends_stay_lossless_end_to_end(tiny_models, options):
         with cluster.client() as client:
             lean = options.backend != "ngram" and options.lean_step != "off"
             suffix = ("/lean" if DEVICE == "cpu" else "/lean+graphs") if lean else ""
+            if options.quantize == "int4" and options.int4_kernel == "auto":  # the service names its choice
+                options = replace(options, int4_kernel=int4_kernel())
             assert client.server_info().draft_backend == options.label + suffix
             for prompt in (REPEATING, [3, 1, 4, 1, 5, 9, 2, 6], list(range(5, 45, 2))):  # the last > 16 tokens
                 for pipeline in (False, True):
@@ -314,15 +320,27 @@ def test_int4_draft_quantizes_every_linear_layer_it_can(tiny_models):
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
 
 
-def test_quantize_auto_picks_int4_with_amx_or_the_i4w_kernel(monkeypatch):
-    """int4 on aten's kernel with AMX, on tandem/i4w.c (AVX512-VNNI or AVX2) and no
-    AMX, int8 elsewhere on a CPU, nothing on a GPU."""
+def test_quantize_auto_picks_int4_on_the_i4w_kernel_or_with_amx(monkeypatch):
+    """int4 on tandem/i4w.c wherever it runs (AVX512-VNNI or AVX2), AMX or not; on
+    aten's kernel with AMX where i4w does not run; int8 elsewhere on a CPU,
+    nothing on a GPU. An explicit kernel is kept, and i4w where it cannot run
+    is an error."""
     from draft_service import cheap
     from tandem import cpu_kernels, i4w
 
-    for amx, runs, quantize, kernel in [(True, True, "int4", "aten"), (True, False, "int4", "aten"),
+    for amx, runs, quantize, kernel in [(True, True, "int4", "i4w"), (True, False, "int4", "aten"),
                                         (False, True, "int4", "i4w"), (False, False, "int8", "aten")]:
         monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: amx)
         monkeypatch.setattr(i4w, "unavailable", lambda: None if runs else "no AVX2")
         assert (cheap.auto_quantize("cpu"), cheap.int4_kernel()) == (quantize, kernel)
+        assert cheap.int4_kernel("aten") == "aten"
+        if runs:
+            assert cheap.int4_kernel("i4w") == "i4w"
+        else:
+            with pytest.raises(ValueError, match="no AVX2"):
+                cheap.int4_kernel("i4w")
         assert cheap.auto_quantize("cuda:0") == "none"
+    with pytest.raises(ValueError, match="int4 kernel"):
+        cheap.int4_kernel("int4")
+    with pytest.raises(ValueError, match="int4_kernel"):
+        DraftOptions(quantize="int4", int4_kernel="fast")
