@@ -89,8 +89,9 @@ def int4_kernel(choice: str = "auto") -> str:
     """Which kernel Int4Linear multiplies with: `choice`, or for "auto"
     tandem/i4w.c wherever it runs (AVX512-VNNI or AVX2), else aten's. With the
     draft's layers in one C call (draft_service.lean), i4w's step is the cheaper
-    one on AMX too: 20.1-20.3 ms against aten's 36.0-36.5 ms on a 2-core Xeon VM
-    with AMX, one pinned thread (bench/RESULTS.md)."""
+    one on AMX too: on a 2-core Xeon VM with AMX, one pinned thread, 32k head,
+    20.07 ms against aten's 35.96 alone, and 20.32 against 36.11 and 36.51 beside
+    the target's verifies on the other core (bench/RESULTS.md)."""
     if choice not in INT4_KERNELS:
         raise ValueError(f"int4 kernel must be one of {INT4_KERNELS}, got {choice!r}")
     if choice == "aten":
