@@ -123,7 +123,8 @@ def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -
     before the next prompt, each prompt starting one mode further along the
     cycle, so that a machine whose speed drifts over minutes (the VMs in
     bench/RESULTS.md drift by 10-40%) shifts every mode alike rather than
-    the modes timed last."""
+    the modes timed last. Sets args.draft_backend to the draft service's own
+    label (backend, quantization and its kernel, head)."""
     from tandem.client import TandemClient
 
     gpu = args.device != "cpu"
@@ -136,6 +137,7 @@ def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -
         hf_warm_up(target, prompts)
     with deployment(args, str(cores[0]), str(cores[1]), pinned=True) as running, \
             TandemClient(running.address, timeout_s=3600) as client:
+        args.draft_backend = client.server_info().draft_backend  # the draft service's label: kernel and head
         # Warm-up: every prompt once, so that no mode pays for first-call costs
         # (kernels set up per shape: each prompt's prefill, the verify lengths).
         # The services' step costs, which the orchestrator learns from every

@@ -95,6 +95,7 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         "dtype": args.dtype,
         "baselines": [config_label(*c) for c in configs],
         "draft_args": args.draft_args,
+        "draft_backend": args.draft_backend,
         "target_args": args.target_args,
         "hf_assisted": hf_assisted,
         "whole_machine": {"configs": [{"pipeline": p, "target_threads": t, "draft_threads": d}

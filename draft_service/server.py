@@ -6,8 +6,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from draft_service.cheap import (INT4_KERNELS, QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel, quantize_int4,
-                                 quantize_int8)
+from draft_service.cheap import (INT4_KERNELS, QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel,
+                                 quantize_int4, quantize_int8)
 from draft_service.lean import LEAN_STEP, lean_runner
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
 from tandem import multiplex, serving, telemetry
@@ -31,7 +31,7 @@ class DraftOptions:
     backend: str = "model"  # "model", "ngram" (prompt lookup) or "ngram+model"
     vocab_subset: int = 0  # FR-Spec: score only the N most frequent tokens; 0 = all
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
-    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (bf16 with AMX, else int8 activations on tandem/i4w.c), "auto": cheap.auto_quantize
+    quantize: str = "none"  # "int8" (dynamic, float32), "int4" (on int4_kernel's kernel), "auto": cheap.auto_quantize
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
     lean_step: str = "auto"  # draft_service.lean: "on", "aten", "off", "auto" (for the models it supports)
     int4_kernel: str = "auto"  # Int4Linear's kernel under quantize="int4": "i4w", "aten", "auto": cheap.int4_kernel
@@ -73,16 +73,16 @@ def _load_draft(model: ModelConfig, options: DraftOptions) -> tuple[LoadedModel,
     """The draft model made cheap as `options` say, and its reduced head if any."""
     info = load(model, pack=False)
     lm_head = info.model.get_output_embeddings().weight.detach()  # before quantization replaces it
+    int4 = int4_kernel(options.int4_kernel) if options.quantize == "int4" else None
     if options.quantize == "int8":
         info = replace(info, model=quantize_int8(info.model))
     elif options.quantize == "int4":
-        info = replace(info, model=quantize_int4(info.model, kernel=int4_kernel(options.int4_kernel)))
+        info = replace(info, model=quantize_int4(info.model, kernel=int4))
     elif model.packed:
         pack_linears(info.model, model.kernel)
     head = None
     if options.vocab_subset:
         ids = frequent_token_ids(info.vocab_size, options.vocab_subset, list(_special_ids(info)))
-        int4 = int4_kernel(options.int4_kernel) if options.quantize == "int4" else None
         head = ReducedHead(lm_head, ids, quantize=options.quantize, kernel=model.kernel, int4=int4)
         log.info("reduced draft head: %d of %d tokens", len(ids), info.vocab_size)
     return info, head

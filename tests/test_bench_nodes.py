@@ -50,6 +50,7 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
                  "--whole-configs", "sequential:1,pipelined:1", "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
+    assert result["draft_backend"] == "model/lean"  # the draft service's own label, unquantized
     modes = result["modes"]
     assert {"a_target_one_core", "b_sequential", "c_pipelined_k2", "d_pipelined_adaptive", "e_target_both_cores",
             "f_hf_assisted_both_cores", "g_whole_machine_sequential_1t", "g_whole_machine_pipelined_1t"} <= set(modes)
