@@ -70,10 +70,11 @@ def _special_ids(info) -> set[int]:
 
 
 def _load_draft(model: ModelConfig, options: DraftOptions) -> tuple[LoadedModel, ReducedHead | None]:
-    """The draft model made cheap as `options` say, and its reduced head if any."""
+    """The draft model made cheap as `options` say (resolved by DraftServicer:
+    no "auto" left), and its reduced head if any."""
     info = load(model, pack=False)
     lm_head = info.model.get_output_embeddings().weight.detach()  # before quantization replaces it
-    int4 = int4_kernel(options.int4_kernel) if options.quantize == "int4" else None
+    int4 = options.int4_kernel if options.quantize == "int4" else None
     if options.quantize == "int8":
         info = replace(info, model=quantize_int8(info.model))
     elif options.quantize == "int4":
@@ -95,6 +96,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if options.quantize == "auto" and options.backend != "ngram":
             options = replace(options, quantize=auto_quantize(model.device))
             log.info("--quantize auto: %s", options.quantize)
+        if options.quantize == "int4" and options.backend != "ngram":
+            options = replace(options, int4_kernel=int4_kernel(options.int4_kernel))  # the label names auto's choice
         self.backend = options.label
         budget = cache.budget_mb * 2**20
         if options.backend == "ngram":
@@ -106,10 +109,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if options.quantize != "none" and model.device != "cpu":
             kernel = "fbgemm" if options.quantize == "int8" else "CPU int4 kernels"
             raise ValueError(f"--quantize {options.quantize} runs on the CPU only ({kernel}), not on {model.device}")
-        int4 = int4_kernel(options.int4_kernel) if options.quantize == "int4" else None
-        if int4:
-            options = replace(options, int4_kernel=int4)
-            self.backend = options.label  # names the kernel auto chose
+        int4 = options.int4_kernel if options.quantize == "int4" else None
         compute = {"int8": "float32", "int4": "bfloat16" if int4 == "aten" else "float32"}.get(options.quantize)
         if compute and model.resolved_dtype != compute:
             log.info("%s quantization computes in %s: loading the draft in %s", options.quantize, compute, compute)
