@@ -87,8 +87,8 @@ def auto_dtype(device: str) -> str:
     """bfloat16 on GPUs. On a CPU with AMX-BF16, bfloat16 on packed layers (the
     module docstring's measurements), even where float32 on bf16w decodes one
     token faster: on a 2-core AMX Xeon (model 167) pinned pipelined Tandem ran
-    7.17-8.27 tok/s on bf16 against 4.52-4.64 on bf16w, A B B A (bench/RESULTS.md,
-    a010dfa). Else float32 on bf16w or fp16-weight
+    7.12-8.27 tok/s on bf16 against 4.52-5.53 on bf16w, three pairs of runs
+    (bench/RESULTS.md, a010dfa). Else float32 on bf16w or fp16-weight
     layers where either runs (resolve_linear picks which), even where the CPU
     has native bf16 without AMX: on a 2-core AVX512-BF16 EPYC, one thread, the default target alone decoded 8.64 tok/s
     against 4.30 in bf16 on nn.Linear (2 prompts × 48 tokens), and on a Zen 4
