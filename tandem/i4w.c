@@ -20,9 +20,7 @@
    bytes hold the codes of columns g·G + 8j + i, i = 0…3, in their low nibbles
    and of g·G + 8j + 4 + i in their high nibbles), then the 16 columns' d and
    their 16 m in fp16. The AVX-512 build reads a block once from memory, front
-   to back, for up to ROWS rows of x; the AVX2 build reads it front to back too
-   for one row (a draft step), and for more, with half the registers, takes a
-   block's units one after another, each over all of its groups. */
+   to back, for up to ROWS rows of x (4 in the AVX-512 build, 2 in the AVX2 one). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -93,8 +91,8 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
     }
 }
 #else
-/* AVX2: 16 registers. A unit of 16 columns is two vectors of 8; 2 rows of x
-   take 4 float accumulators, 4 int16 ones, the weights and the broadcasts. */
+/* AVX2: 16 registers. A unit of 16 columns is two vectors of 8; up to 2 rows
+   of x at a time. */
 #define ROWS 2
 
 int tandem_i4w_supported(void) {
@@ -102,104 +100,71 @@ int tandem_i4w_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-/* One unit of 16 columns from w on, its groups `stride` bytes apart, for M ≤
-   ROWS rows. vpmaddubsw multiplies the codes (0…15, unsigned) by the
+/* A column block for M ≤ ROWS rows of x, read front to back: group by group,
+   each group's units of 16 columns one after another, with a prefetch a few
+   groups ahead. vpmaddubsw multiplies the codes (0…15, unsigned) by the
    activations (-127…127) and adds neighbouring pairs into int16; a group's 8
    such sums per int16 lane are at most 8 · 2 · 15 · 127 = 30480 in magnitude,
    so they neither saturate nor wrap, and vpmaddwd by ones then gives the same
-   int32 per column as the AVX-512 build's vpdpbusd. */
-static inline __attribute__((always_inline)) void unit16(const int M, const int8_t *xq, const float *xsum,
-                                                         const float *xscale, int64_t K, const uint8_t *w,
-                                                         int64_t stride, const float *bias, float *y, int64_t N,
-                                                         int64_t n) {
-    const int64_t groups = K / G;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[ROWS][2];
-    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *unit = w + g * stride;
-        __m256i dot[ROWS][2];
-        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
-            _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(unit + 64 * j + 32 * half));
-                const __m256i lo = _mm256_and_si256(raw, low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) {
-                    const int8_t *q = xq + m * K + g * G + 8 * j;
-                    dot[m][half] = _mm256_add_epi16(dot[m][half], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word4(q))));
-                    dot[m][half] = _mm256_add_epi16(dot[m][half], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word4(q + 4))));
-                }
-            }
-        }
-        _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 256 + 16 * half)));
-            const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 288 + 16 * half)));
-            _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) {
-                const float s = xscale[m * groups + g];
-                const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m][half], ones));
-                acc[m][half] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[m][half]);
-                acc[m][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g] * s), low, acc[m][half]);
-            }
-        }
-    }
-    _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
-        const int64_t c = n + 8 * half;
-        const __m256 b = bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps();
-        _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) _mm256_storeu_ps(y + m * N + c, _mm256_add_ps(acc[m][half], b));
-    }
-}
-
-/* One row of x (a draft step): the block's units group by group, so that the
-   weights are read front to back, with a prefetch a few groups ahead. Per
-   column the same operations in the same order as unit16, so the same bits.
-   Taking a block's units one after another instead, each over all its groups,
-   reads the block in strided passes: on a 2-core Zen 1 EPYC VM (2026-11-28, one
-   pinned thread, all of the default draft's layers and 32k head, one token,
-   242 MB of distinct weights) that took 44-56 ms best of 6-8, this 35 ms without
-   the prefetch and 31-32 ms with it (2, 4, 8 or 16 groups ahead alike), while a
-   torch sum read as many bytes in 18.5 ms. On a Zen 3 VM, bound by its memory
-   rather than by the passes, both orders had measured alike. */
+   int32 per column as the AVX-512 build's vpdpbusd. A block's accumulators
+   (2 rows × 4 units × 2 vectors) outnumber the registers; the compiler keeps
+   some in L1, which costs less than reading the weights twice.
+   Until 2026-11-28 this build took a block's units one after another, each
+   over all of its groups: strided passes over the block. On a 2-core Zen 1
+   EPYC VM (each 256-bit operation there two 128-bit ones; one pinned thread,
+   all of the default draft's layers and its 32k head, 242 MB of distinct
+   weights, best of 6–8) those took 44–56 ms for one row and 93–96 ms for two;
+   this order takes 30–32 ms and 45 ms (35 ms for one row without the prefetch,
+   alike 2, 4, 8 or 16 groups ahead), while a torch sum read as many bytes in
+   18.5 ms. On a Zen 3 VM, bound by its memory, one row had measured alike in
+   both orders. Per column the same operations in the same order: the same bits. */
 #define PREFETCH_GROUPS 4
-static inline __attribute__((always_inline)) void stream1(const int vecs, const int8_t *xq, const float *xsum,
-                                                          const float *xscale, int64_t K, const uint8_t *w,
-                                                          const float *bias, float *y, int64_t n) {
+static inline __attribute__((always_inline)) void stream(const int M, const int vecs, const int8_t *xq, const float *xsum,
+                                                         const float *xscale, int64_t K, const uint8_t *w,
+                                                         const float *bias, float *y, int64_t N, int64_t n) {
     const int64_t groups = K / G, step = vecs * UNIT;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[WIDE][2];
-    _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v][0] = acc[v][1] = _mm256_setzero_ps();
+    __m256 acc[ROWS][WIDE][2];
+    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[m][v][0] = acc[m][v][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = w + g * step;
-        const int8_t *q = xq + g * G;
-        const float s = xscale[g], shift = xsum[g] * s;
         for (int64_t line = 0; line < step; line += 64)  /* a prefetch never faults, past the end neither */
             _mm_prefetch((const char *)(group + PREFETCH_GROUPS * step + line), _MM_HINT_T0);
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
             const uint8_t *unit = group + v * UNIT;
-            __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            __m256i dot[ROWS][2];
+            _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
             _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
                 _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(unit + 64 * j + 32 * half));
                     const __m256i lo = _mm256_and_si256(raw, low4);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    dot[half] = _mm256_add_epi16(dot[half], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word4(q + 8 * j))));
-                    dot[half] = _mm256_add_epi16(dot[half], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word4(q + 8 * j + 4))));
+                    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) {
+                        const int8_t *q = xq + m * K + g * G + 8 * j;
+                        dot[m][half] = _mm256_add_epi16(dot[m][half], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word4(q))));
+                        dot[m][half] = _mm256_add_epi16(dot[m][half], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word4(q + 4))));
+                    }
                 }
             }
             _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 256 + 16 * half)));
                 const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 288 + 16 * half)));
-                const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[half], ones));
-                acc[v][half] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[v][half]);
-                acc[v][half] = _mm256_fmadd_ps(_mm256_set1_ps(shift), low, acc[v][half]);
+                _Pragma("GCC unroll 2") for (int m = 0; m < M; m++) {
+                    const float s = xscale[m * groups + g];
+                    const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m][half], ones));
+                    acc[m][v][half] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[m][v][half]);
+                    acc[m][v][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g] * s), low, acc[m][v][half]);
+                }
             }
         }
     }
+    _Pragma("GCC unroll 2") for (int m = 0; m < M; m++)
     _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) {
         _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
             const int64_t c = n + v * UNIT_LANES + 8 * half;
             const __m256 b = bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps();
-            _mm256_storeu_ps(y + c, _mm256_add_ps(acc[v][half], b));
+            _mm256_storeu_ps(y + m * N + c, _mm256_add_ps(acc[m][v][half], b));
         }
     }
 }
@@ -208,15 +173,18 @@ static inline __attribute__((always_inline)) void block(const int M, const int v
                                                         const float *xsum, const float *xscale, int64_t K,
                                                         const uint8_t *w, const float *bias, float *y, int64_t N,
                                                         int64_t n) {
-    if (M == 1) {  /* vecs as a constant in each call, so that the unit loop unrolls */
+    /* M and vecs as constants in each call, so that the loops over them unroll */
+    if (M == 1) {
         if (vecs == WIDE)
-            stream1(WIDE, xq, xsum, xscale, K, w, bias, y, n);
+            stream(1, WIDE, xq, xsum, xscale, K, w, bias, y, N, n);
         else
-            stream1(1, xq, xsum, xscale, K, w, bias, y, n);
-        return;
+            stream(1, 1, xq, xsum, xscale, K, w, bias, y, N, n);
+    } else {
+        if (vecs == WIDE)
+            stream(2, WIDE, xq, xsum, xscale, K, w, bias, y, N, n);
+        else
+            stream(2, 1, xq, xsum, xscale, K, w, bias, y, N, n);
     }
-    for (int v = 0; v < vecs; v++)
-        unit16(M, xq, xsum, xscale, K, w + v * UNIT, vecs * UNIT, bias, y, N, n + v * UNIT_LANES);
 }
 #endif
 

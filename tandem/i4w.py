@@ -34,7 +34,14 @@ thread): the same layers and head, one token, 21.9–22.7 ms best of 8 (10.6–1
 GB/s, against 14.6–18.3 GB/s for a torch sum over as many bytes); the draft step
 of the draft service (lean, layers in one C call, 32k head) 21.5–23.7 ms against
 56.5–58.8 ms with int8 on FBGEMM, and pinned Tandem back to back ran (b) 18.2%
-and (d) 17.1% faster with it (bench/RESULTS.md).
+and (d) 17.1% faster with it (bench/RESULTS.md). On a 2-core Zen 1 EPYC VM
+(2026-11-28; each 256-bit operation there is two 128-bit ones) the same layers
+took 44–56 ms best of 6–8 for one row and 93–96 ms for two while each block was
+read in strided passes, a unit of 16 columns at a time (4.3–5.4 GB/s for one
+row, against 13.1 GB/s for a torch sum). Since then the AVX2 build reads each
+block front to back, group by group, with a prefetch four groups ahead: 30–32
+ms for one row, 45–46 ms for two (the same bits; tandem/i4w.c; `python -m
+bench.i4w_probe`).
 
 `layers` runs a Llama-family layer stack on these layers in one C call, for
 the draft's lean step (draft_service.lean)."""

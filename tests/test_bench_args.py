@@ -131,3 +131,47 @@ def test_a_random_pair_member_has_the_architecture_and_tokenizer_it_copies(tiny_
     assert (built.model_type, built.hidden_size, built.num_hidden_layers) == \
         (like.model_type, like.hidden_size, like.num_hidden_layers)
     assert (out / "model.safetensors").is_file()
+
+
+def test_the_i4w_probe_times_every_layer_of_the_drafts_shape(tiny_models, tmp_path):
+    """bench.i4w_probe: one pass a repeat over all of the draft's linear layers
+    (7 a decoder layer) and its head, for each row count, with the sum's rate
+    beside them; the caller's cores and threads are given back."""
+    import json
+    import os
+
+    import torch
+    from transformers import AutoConfig
+
+    from bench import i4w_probe
+    from tandem import i4w
+
+    if i4w.unavailable() is not None:
+        pytest.skip(f"i4w kernel: {i4w.unavailable()}")
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    out = tmp_path / "probe.json"
+    assert i4w_probe.main(["--draft", tiny_models["other"], "--head", "64", "--rows", "1,2", "--repeats", "2",
+                           "--out", str(out)]) == 0
+    assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
+    result = json.loads(out.read_text())
+    config = AutoConfig.from_pretrained(tiny_models["other"])
+    assert result["layers"] == 7 * config.num_hidden_layers + 1
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * (hidden // config.num_attention_heads)
+    kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
+    weights = config.num_hidden_layers * (2 * q * hidden + 2 * kv * hidden + 3 * inter * hidden) + 64 * hidden
+    assert result["weight_bytes"] == weights * 5 // 8  # 4-bit codes, and an fp16 scale and low value per 32
+    assert set(result["rows"]) == {"1", "2"}
+    assert all(r["best_ms"] > 0 and r["best_ms"] <= r["median_ms"] for r in result["rows"].values())
+    assert result["torch_sum"]["best_gb_s"] > 0
+
+
+def test_the_i4w_probe_refuses_bad_rows_and_cores(tiny_models):
+    from bench import i4w_probe
+    from tandem import i4w
+
+    if i4w.unavailable() is not None:
+        pytest.skip(f"i4w kernel: {i4w.unavailable()}")
+    with pytest.raises(SystemExit):
+        i4w_probe.main(["--draft", tiny_models["other"], "--rows", "0"])
+    assert i4w_probe.main(["--draft", tiny_models["other"], "--core", "4096"]) == 2
