@@ -55,6 +55,7 @@ class ModeResult:
     handover_ms_per_round_p50: float | None = None  # Redis commit + stream write, off the critical path
     verify_ms_p50: float | None = None  # the target's compute per verify (median over prompts of per-prompt medians)
     draft_step_ms_p50: float | None = None
+    first_token_ms_p50: float | None = None  # time to first token, the orchestrator's own (median over prompts)
     ceiling_tok_s: float | None = None  # tokens/round over verify time: if drafting and overhead cost nothing
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
@@ -197,6 +198,7 @@ class TandemTally:
     handovers: list[float] = field(default_factory=list)
     verifies: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
+    first_tokens: list[float] = field(default_factory=list)
 
     def time(self, client, name: str, ids: list[int], new_tokens: int, **params) -> None:
         """One prompt through the orchestrator, greedy, timed and folded in."""
@@ -229,6 +231,8 @@ class TandemTally:
             self.verifies.append(s.verify_ms_p50)
         if s.draft_step_ms_p50:
             self.steps.append(s.draft_step_ms_p50)
+        if s.first_token_ms:
+            self.first_tokens.append(s.first_token_ms)
         log.info("%s: %d tokens in %.1fs, acceptance %.2f", name, len(out.token_ids), elapsed, out.acceptance_rate)
 
     def result(self) -> ModeResult:
@@ -254,6 +258,7 @@ class TandemTally:
         r.handover_ms_per_round_p50 = median(self.handovers)
         r.verify_ms_p50 = median(self.verifies)
         r.draft_step_ms_p50 = median(self.steps)
+        r.first_token_ms_p50 = median(self.first_tokens)
         if r.verify_ms_p50 and rounds:
             r.ceiling_tok_s = r.tokens_per_round / r.verify_ms_p50 * 1e3
         r.accepted_per_position = self.per_position
@@ -292,7 +297,7 @@ def write(path: Path, payload: dict) -> None:
 
 def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
     lines = [f"{'mode':<34}{'tok/s':>8}{'vs base':>9}{'α':>7}{'tok/rnd':>9}{'τ(α,k)':>8}{'k':>6}{'hit':>6}{'ovh ms':>8}{'hand':>6}"
-             f"{'verify':>8}{'step':>6}{'ceil':>7}{'same':>7}"]
+             f"{'verify':>8}{'step':>6}{'ceil':>7}{'ttft':>7}{'same':>7}"]
 
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-".rjust(int(spec.split(".")[0]))
@@ -303,6 +308,6 @@ def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
             f"{fmt(r.tokens_per_round, '9.2f')}{fmt(r.theory_tokens_per_round, '8.2f')}{fmt(r.mean_k, '6.1f')}"
             f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}{fmt(r.handover_ms_per_round_p50, '6.1f')}"
             f"{fmt(r.verify_ms_p50, '8.0f')}{fmt(r.draft_step_ms_p50, '6.0f')}{fmt(r.ceiling_tok_s, '7.2f')}"
-            f"{r.identical:>5}/{r.prompts}"
+            f"{fmt(r.first_token_ms_p50, '7.0f')}{r.identical:>5}/{r.prompts}"
         )
     return "\n".join(lines)

@@ -100,7 +100,7 @@ def deployment(args, cpus_target, cpus_draft, pinned: bool, whole: tuple[bool, i
     draft = Service("draft", ["--model", args.draft, *model_args, *args.draft_args.split()],
                     threads=threads[1], cpus=cpus_draft if pinned and not gpu else None)
     orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3",
-                    "--k-min", str(args.k_min), "--k-max", str(args.k_max)]
+                    "--k-min", str(args.k_min), "--k-max", str(args.k_max), *args.orchestrator_args.split()]
     return Deployment(target, draft, orchestrator)
 
 
@@ -259,6 +259,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target-args", default="",
                         help="extra flags for the target service, e.g. '--linear bf16w'; its --linear is the first "
                              "configuration of the target alone, the identity reference (default: none)")
+    parser.add_argument("--orchestrator-args", default="",
+                        help="extra flags for the orchestrator, e.g. '--prefill-overlap off' (default: none)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--fixed-ks", default="2,3,4,5", help="k values of mode (c)")

@@ -22,6 +22,7 @@ from tandem.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 UNDRAFTED = DraftBlock(tokens=[])  # a round on the target alone: the draft service is unavailable
+PREFILL_STEP = DraftBlock(tokens=[])  # a turn's first round: the target prefills and decodes, the draft prefills beside it
 PREDRAFTED, DRAFTED_AFTER = "pre-drafted", "drafted after"  # how a round's next block came
 
 
@@ -125,6 +126,7 @@ class Decoder:
         max_context: int = 1 << 30,
         request_span=telemetry.NO_SPAN,
         breaker: DraftBreaker | None = None,
+        prefill_overlap: bool = True,
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -138,6 +140,7 @@ class Decoder:
         self.max_context = max_context
         self.request_span = request_span  # parent of the round spans while tracing
         self.breaker = breaker if breaker is not None else DraftBreaker(enabled=False)
+        self.prefill_overlap = prefill_overlap
         self.stats = RoundStats()
 
     # --- service calls, with re-sync on cache miss ------------------------------
@@ -209,7 +212,7 @@ class Decoder:
             if span.is_recording():
                 span.set_attribute("tandem.k", k + 1)  # the bonus guess, then k
             try:
-                return await self.proposer.propose(
+                pre = await self.proposer.propose(
                     self.session_id,
                     self.committed.prefix(len(self.committed), block.tokens[:-1]),
                     block.tokens[-1:],
@@ -217,6 +220,8 @@ class Decoder:
                     self.sampling,
                     bonus_guess=True,
                 )
+                self.breaker.reset()
+                return pre
             except ServiceCacheMiss:
                 span.add_event("cache miss")
                 log.debug("pre-draft of session %s missed", self.session_id)
@@ -226,6 +231,52 @@ class Decoder:
                     raise
                 span.add_event("draft service unavailable")
                 return None
+
+    def _prefills(self) -> bool:
+        """Whether the target has more than one committed token to take in (a
+        prompt, a new turn, a re-sync): a prefill."""
+        return len(self.committed) - self._pending(self.target_view) > 1
+
+    async def _draft_beside_prefill(self, n: int, round_span=telemetry.NO_SPAN) -> DraftBlock | None:
+        """The draft takes in the committed tokens while the target prefills
+        them, and drafts n tokens after them, the first a guess of the token
+        the target is decoding (a pre-draft's bonus guess, then n - 1). None
+        when the draft service is unavailable or lost the session twice."""
+        with telemetry.child_span("tandem.predraft", round_span, telemetry.SpanKind.CLIENT) as span:
+            if span.is_recording():
+                span.set_attribute("tandem.k", n)
+            try:
+                pre = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
+                    self.session_id, self.committed.prefix(base), self.committed.tokens[base:], n, self.sampling,
+                    bonus_guess=True))
+                self.breaker.reset()
+                return pre
+            except ServiceCacheMiss:
+                return None
+            except ServiceUnavailable as err:
+                if not self.breaker.trip(err):
+                    raise
+                span.add_event("draft service unavailable")
+                self.stats.undrafted_rounds += 1  # the round beside it went on without the draft
+                return None
+
+    def _launch_prefill(self, round_span) -> tuple[DraftBlock, asyncio.Task, asyncio.Task | None]:
+        """A turn's first round when the target has a prompt to prefill: the
+        target prefills and decodes the next token (a round of no draft tokens)
+        while the draft prefills the same tokens beside it, instead of before
+        it, and drafts after them. Pipelined, it pre-drafts the target's token
+        (a guess) and k_ahead tokens after it; sequential, only the guess,
+        which is thrown away, so that no draft work runs ahead of the target's.
+        Both modes verify the same blocks, so a seeded sampled run draws the
+        same random numbers at the same positions with the pipeline on and off.
+        While the draft service is unavailable, the round is UNDRAFTED."""
+        if not self.breaker.allows():
+            return UNDRAFTED, asyncio.create_task(self._verify(UNDRAFTED, round_span)), None
+        verify = asyncio.create_task(self._verify(PREFILL_STEP, round_span))
+        n = 1 + (self._room(self.policy.k_ahead, ahead=1) if self.pipeline else 0)
+        pre = asyncio.create_task(self._draft_beside_prefill(n, round_span))
+        self.stats.predraft_attempts += self.pipeline and n > 1
+        return PREFILL_STEP, verify, pre
 
     # --- the rounds ---------------------------------------------------------
     def _commit(self, block: DraftBlock, result: VerifyResult) -> list[int]:
@@ -283,8 +334,11 @@ class Decoder:
         tasks: list[asyncio.Task | None] = []
         span = self._open_round(predrafted=False)
         try:
-            block = await self._draft(self.policy.k, span)
-            verify_task, pre_task = self._launch(block, span)
+            if self.prefill_overlap and self._prefills():
+                block, verify_task, pre_task = self._launch_prefill(span)
+            else:
+                block = await self._draft(self.policy.k, span)
+                verify_task, pre_task = self._launch(block, span)
             tasks = [verify_task, pre_task]
             launched = time.perf_counter()
             while True:

@@ -45,6 +45,7 @@ class EngineConfig:
     pipeline: bool = True
     max_context: int = 32768
     draft_fallback: bool = True  # while the draft service is down, decode on the target alone
+    prefill_overlap: bool = True  # a turn's prompt: the draft prefills it beside the target, not before
 
 
 @dataclass
@@ -101,7 +102,7 @@ class Generation:
             ServiceView(record.draft_len), ServiceView(record.target_len),
             params.sampling, self.policy_for(params, pipeline), pipeline,
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
-            self.breaker,
+            self.breaker, self.config.prefill_overlap,
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)

@@ -36,6 +36,7 @@ class OrchestratorConfig:
     tokenizer: str = ""  # path or hub id; "" = the target's model, "none" = token ids only
     policy: KPolicyConfig = field(default_factory=KPolicyConfig)
     pipeline: bool = True
+    prefill_overlap: bool = True  # a turn's prompt: the draft prefills it beside the target's prefill, not before
     default_max_tokens: int = 128
     session_ttl_s: int = 3600
     service_timeout_s: float = 120.0
@@ -100,7 +101,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self._load_tokenizer(target)
         self.generation = Generation(
             self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
-            EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback),
+            EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback,
+                         self.config.prefill_overlap),
         )
         self.pair_error = None
         if draft is None:

@@ -1,4 +1,5 @@
 """The decoder's scheduling logic with in-process services (no sockets)."""
+import asyncio
 import itertools
 
 import pytest
@@ -27,10 +28,11 @@ def _services(model_dir: str):
             InProcessVerifier(Verifier(target_runner, target_store)))
 
 
-async def _decode(proposer, verifier, prompt, tokens, pipeline, k=3, breaker=None, sampling=SamplingParams()):
+async def _decode(proposer, verifier, prompt, tokens, pipeline, k=3, breaker=None, sampling=SamplingParams(),
+                  prefill_overlap=True):
     decoder = Decoder(proposer, verifier, f"s-{pipeline}-{k}", Committed(prompt), ServiceView(0), ServiceView(0),
                       sampling, KPolicy(KPolicyConfig(k=k, adaptive=False), pipeline), pipeline,
-                      breaker=breaker)
+                      breaker=breaker, prefill_overlap=prefill_overlap)
     out = []
     rounds = decoder.rounds()
     async for newly in rounds:
@@ -41,19 +43,25 @@ async def _decode(proposer, verifier, prompt, tokens, pipeline, k=3, breaker=Non
     return out[:tokens], decoder
 
 
+@pytest.mark.parametrize("prefill_overlap", [True, False])
 @pytest.mark.parametrize("pipeline", [False, True])
-async def test_in_process_decoder_matches_target_alone(tiny_models, pipeline):
+async def test_in_process_decoder_matches_target_alone(tiny_models, pipeline, prefill_overlap):
     proposer, verifier = _services(tiny_models["target"])
     prompt = [4, 8, 15, 16, 23, 42]
-    out, decoder = await _decode(proposer, verifier, prompt, 30, pipeline)
+    out, decoder = await _decode(proposer, verifier, prompt, 30, pipeline, prefill_overlap=prefill_overlap)
     assert out == reference_greedy(tiny_models["target"], prompt, 30)
     stats = decoder.stats
     assert stats.accepted == stats.drafted  # draft = target
-    assert stats.rounds_per_k == [0, 0, 0, stats.rounds]  # k = 3 throughout
+    if prefill_overlap:  # the first round prefills and decodes on the target; k = 3 after it
+        assert stats.rounds_per_k == [1, 0, 0, stats.rounds - 1]
+    else:
+        assert stats.rounds_per_k == [0, 0, 0, stats.rounds]  # k = 3 throughout
     if pipeline:
         # Every block is accepted whole and the draft guesses the bonus right, so
-        # every round after the first verifies a pre-drafted block.
-        assert stats.predraft_hits >= stats.rounds - 2
+        # every round after the first verifies a pre-drafted block; with the
+        # prefill overlapped, so does the second (its block was drafted beside
+        # the prefill, after a right guess of the target's first token).
+        assert stats.predraft_hits >= stats.rounds - (1 if prefill_overlap else 2)
     assert stats.cache_misses == 0
     # Each round's overhead is filed by how its next block came: pre-drafted
     # (a hit) or drafted after the verify's reply (sequential, or a miss).
@@ -73,6 +81,76 @@ async def test_views_follow_what_each_service_holds(tiny_models):
     for view, cache in ((decoder.target_view, target_cache), (decoder.draft_view, draft_cache)):
         assert view.length <= len(cache.tokens)
         assert cache.tokens[: view.length] == committed[: view.length]
+
+
+class Gate:
+    """Holds each service's calls until the other service has one out: a
+    decoder that calls one only after the other's reply never gets past it."""
+
+    def __init__(self):
+        self.draft_out, self.target_out = asyncio.Event(), asyncio.Event()
+        self.log = []
+
+
+class GatedProposer:
+    def __init__(self, inner, gate: Gate):
+        self.inner, self.gate = inner, gate
+
+    async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False):
+        self.gate.log.append(("draft", prefix.length, len(new_tokens), k, bonus_guess))
+        self.gate.draft_out.set()
+        await asyncio.wait_for(self.gate.target_out.wait(), 10)
+        return await self.inner.propose(session_id, prefix, new_tokens, k, sampling, bonus_guess=bonus_guess)
+
+
+class GatedVerifier:
+    def __init__(self, inner, gate: Gate):
+        self.inner, self.gate = inner, gate
+
+    async def verify(self, session_id, prefix, new_tokens, block, sampling):
+        self.gate.log.append(("target", prefix.length, len(new_tokens), len(block.tokens)))
+        self.gate.target_out.set()
+        await asyncio.wait_for(self.gate.draft_out.wait(), 10)
+        return await self.inner.verify(session_id, prefix, new_tokens, block, sampling)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_the_draft_prefills_a_prompt_beside_the_target(tiny_models, pipeline):
+    """A turn's first round: the target prefills the prompt and decodes one
+    token while the draft prefills the same prompt, both calls out at once
+    (each is held until the other's is out); pipelined, the draft also
+    pre-drafts after its guess of that token. Then the rounds go on as usual,
+    and the output is the target alone's."""
+    proposer, verifier = _services(tiny_models["target"])
+    gate = Gate()
+    prompt = [4, 8, 15, 16, 23, 42]
+    out, decoder = await _decode(GatedProposer(proposer, gate), GatedVerifier(verifier, gate), prompt, 20, pipeline)
+    assert out == reference_greedy(tiny_models["target"], prompt, 20)
+    first_two = sorted(gate.log[:2])
+    ahead = decoder.policy.k_ahead if pipeline else 0
+    assert first_two == [("draft", 0, len(prompt), 1 + ahead, True), ("target", 0, len(prompt), 0)]
+    assert decoder.stats.rounds_per_k[0] == 1 and decoder.stats.cache_misses == 0
+    if pipeline:  # draft = target: the guess is right and its block is verified next
+        assert decoder.stats.predraft_hits >= decoder.stats.rounds - 1
+    # A second turn, as Generation starts one: the services' views without their
+    # speculative tails; its new tokens are prefilled the same way, from what
+    # each service holds.
+    history = decoder.committed.tokens + [7, 7, 9]
+    gate = Gate()
+    second = Decoder(GatedProposer(proposer, gate), GatedVerifier(verifier, gate), decoder.session_id,
+                     Committed(history), ServiceView(min(decoder.draft_view.length, len(history))),
+                     ServiceView(min(decoder.target_view.length, len(history))), SamplingParams(),
+                     KPolicy(KPolicyConfig(k=3, adaptive=False), pipeline), pipeline)
+    rounds, more = second.rounds(), []
+    async for newly in rounds:
+        more += newly
+        if len(more) >= 5:
+            break
+    await rounds.aclose()
+    assert more[:5] == reference_greedy(tiny_models["target"], history, 5)
+    (draft, *_), (target, *_) = sorted(gate.log[:2])
+    assert (draft, target) == ("draft", "target") and second.stats.cache_misses == 0
+    assert gate.log[0][1] > 0 and gate.log[1][1] > 0  # neither resent the first turn
 
 
 class DownProposer:
@@ -129,8 +207,8 @@ async def test_rounds_go_on_on_the_target_alone_while_the_draft_is_down(tiny_mod
     assert stats.undrafted_rounds >= 1  # a failed pre-draft only costs its pre-drafted block
     assert down.calls > 4 and stats.drafted > 0 and not breaker.open  # drafting again after the failures
     assert stats.accepted == stats.drafted  # draft = target: what was drafted was accepted
-    # Blocks of k = 3, or none while the draft is down.
-    assert stats.rounds_per_k == [stats.undrafted_rounds, 0, 0, stats.rounds - stats.undrafted_rounds]
+    # Blocks of k = 3, or none while the draft is down and in the first round (the prompt's prefill).
+    assert stats.rounds_per_k == [stats.undrafted_rounds + 1, 0, 0, stats.rounds - stats.undrafted_rounds - 1]
 
 
 async def test_without_fallback_a_down_draft_fails_the_rounds(tiny_models):

@@ -39,9 +39,9 @@ def recorded():
     telemetry.install()
 
 
-def _generate(cluster):
+def _generate(cluster, pipeline=True):
     with cluster.client() as client:
-        return client.generate(prompt_ids=PROMPT, max_tokens=12, num_draft_tokens=3, pipeline=True)
+        return client.generate(prompt_ids=PROMPT, max_tokens=12, num_draft_tokens=3, pipeline=pipeline)
 
 
 def _wait_for(spans, name, count, timeout_s=10.0):
@@ -56,7 +56,10 @@ def _wait_for(spans, name, count, timeout_s=10.0):
 
 def test_one_trace_spans_the_request_its_rounds_and_both_services(same_cluster, recorded):
     spans, _ = recorded
-    stats = _generate(same_cluster).stats
+    # Sequential, so that every kind of call is made: the draft's prefill beside the
+    # target's (a pre-draft span), then a fresh draft each round. (Pipelined with
+    # draft = target, every pre-draft hits and no fresh draft is needed.)
+    stats = _generate(same_cluster, pipeline=False).stats
     finished = _wait_for(spans, "tandem.v1.TargetService/Verify", stats.rounds)
     by_id = {s.context.span_id: s for s in finished}
     (request,) = [s for s in finished if s.name == REQUEST]
