@@ -45,7 +45,10 @@ class EngineConfig:
     pipeline: bool = True
     max_context: int = 32768
     draft_fallback: bool = True  # while the draft service is down, decode on the target alone
-    prefill_overlap: bool = True  # a turn's prompt: the draft prefills it beside the target, not before
+    # A turn's prompt: the draft prefills it beside the target (True), or
+    # before it (False); None = auto: beside it unless the two services share
+    # cores (Generation.cores_shared).
+    prefill_overlap: bool | None = None
 
 
 @dataclass
@@ -75,6 +78,22 @@ class Generation:
         self.breaker = DraftBreaker(enabled=config.draft_fallback)
         # The draft's window, once paired: past it, rounds decode on the target alone.
         self.draft_max_context: int | None = None
+        # Why the paired services' prefills should not run at once (they share
+        # a machine's cores: tandem.placement.shared_cores), or None.
+        self.cores_shared: str | None = None
+
+    def prefill_overlap(self, params: RequestParams | None = None) -> bool:
+        """Whether the request's first round prefills on both services at once:
+        the server's --prefill-overlap, and under auto unless the services share
+        cores. Under auto a seeded sampled request always overlaps: the overlap
+        decides whether a turn's first token is an accept test or a plain draw,
+        so its seed gives the same tokens wherever the services run. No
+        `params`: an unseeded request's."""
+        if self.config.prefill_overlap is not None:
+            return self.config.prefill_overlap
+        if params is not None and params.seeded and not params.sampling.greedy:
+            return True
+        return self.cores_shared is None
 
     def policy_for(self, params: RequestParams, pipeline: bool) -> KPolicy:
         """The request's draft lengths: its num_draft_tokens, else the server's
@@ -102,7 +121,7 @@ class Generation:
             ServiceView(record.draft_len), ServiceView(record.target_len),
             params.sampling, self.policy_for(params, pipeline), pipeline,
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
-            self.breaker, self.config.prefill_overlap,
+            self.breaker, self.prefill_overlap(params),
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)

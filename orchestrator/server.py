@@ -15,7 +15,7 @@ from orchestrator.guards import admitted, store_unavailable
 from orchestrator.policy import KPolicyConfig
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
-from tandem import serving, telemetry
+from tandem import placement, serving, telemetry
 from tandem.modeling import load_tokenizer, tokenizer_fingerprint
 from tandem.sampling import SamplingParams
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -36,7 +36,10 @@ class OrchestratorConfig:
     tokenizer: str = ""  # path or hub id; "" = the target's model, "none" = token ids only
     policy: KPolicyConfig = field(default_factory=KPolicyConfig)
     pipeline: bool = True
-    prefill_overlap: bool = True  # a turn's prompt: the draft prefills it beside the target's prefill, not before
+    # A turn's prompt: the draft prefills it beside the target's prefill (True)
+    # or before it (False); None = auto: beside it unless the two services
+    # share a machine's cores (tandem.placement.shared_cores).
+    prefill_overlap: bool | None = None
     default_max_tokens: int = 128
     session_ttl_s: int = 3600
     service_timeout_s: float = 120.0
@@ -111,8 +114,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                 self._pairing.cancel()
             self._pairing = asyncio.create_task(self._pair_draft_later())
         else:
-            self.draft_info = draft
-            self.generation.draft_max_context = draft.max_context
+            self._paired(draft)
             log.info("paired draft %s (%s) with target %s", draft.model_id, draft.backend, target.model_id)
 
     @staticmethod
@@ -150,12 +152,19 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     log.error("not drafting: %s; serving on the target alone", mismatch)
                     refused = mismatch
                 continue
-            self.draft_info = draft
-            self.generation.draft_max_context = draft.max_context
+            self._paired(draft)
             self.generation.breaker.resume()
             log.warning("paired draft %s (%s) with target %s: drafting again", draft.model_id, draft.backend,
                         self.target_info.model_id)
             return
+
+    def _paired(self, draft) -> None:
+        """Takes `draft` as the paired draft service."""
+        self.draft_info = draft
+        self.generation.draft_max_context = draft.max_context
+        self.generation.cores_shared = shared = placement.shared_cores(draft, self.target_info)
+        if shared and self.config.prefill_overlap is None:
+            log.info("prefill overlap off (auto): %s", shared)
 
     def _load_tokenizer(self, target) -> None:
         source = self.config.tokenizer or target.model_id
@@ -314,6 +323,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             k=policy.k, k_min=policy.k_min, k_max=policy.k_max, adaptive_k=policy.adaptive,
             pipeline=self.config.pipeline,
             has_tokenizer=self.tokenizer is not None,
+            prefill_overlap=self.generation.prefill_overlap(),
         )
 
     # --- helpers ---------------------------------------------------------------------

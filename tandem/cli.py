@@ -170,11 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--k-max", type=int, default=8, help="adaptive k upper bound")
     orch.add_argument("--adaptive-k", choices=["on", "off"], default="on", help="choose k per session from measurements")
     orch.add_argument("--pipeline", choices=["on", "off"], default="on", help="draft the next block during verification")
-    orch.add_argument("--prefill-overlap", choices=["on", "off"], default="on",
-                      help="a turn's first round: the target prefills the prompt and decodes one token while the "
-                           "draft prefills the prompt beside it (pipelined: and pre-drafts after it); off: the draft "
-                           "prefills and drafts first, then the target verifies its block with the prompt "
-                           "(default: %(default)s)")
+    orch.add_argument("--prefill-overlap", choices=["auto", "on", "off"], default="auto",
+                      help="on: a turn's first round: the target prefills the prompt and decodes one token while "
+                           "the draft prefills the prompt beside it (pipelined: and pre-drafts after it); off: the "
+                           "draft prefills and drafts first, then the target verifies its block with the prompt; "
+                           "auto: on, unless the services run on one machine's CPUs with more torch threads than "
+                           "CPUs between them (a seeded sampled request: on) (default: %(default)s)")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",
                       help="model calls on one long-lived stream per service, or one rpc each (default: %(default)s)")
     orch.add_argument("--service-timeout", type=float, default=120.0,
@@ -247,7 +248,8 @@ def _serve(args) -> None:
                 draft_address=args.draft, target_address=args.target, redis_url=args.redis_url,
                 tokenizer=args.tokenizer,
                 policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
-                pipeline=args.pipeline == "on", prefill_overlap=args.prefill_overlap == "on",
+                pipeline=args.pipeline == "on",
+                prefill_overlap={"auto": None, "on": True, "off": False}[args.prefill_overlap],
                 default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,

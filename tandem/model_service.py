@@ -8,8 +8,9 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+import torch
 
-from tandem import serving, telemetry
+from tandem import placement, serving, telemetry
 from tandem.modeling import LoadedModel
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2
@@ -114,6 +115,9 @@ class ModelServiceBase:
             device=self._param_attr("device", "cpu"),
             backend=self.backend,
             eos_token_ids=list(info.eos_token_ids),
+            host_id=placement.host_id(),
+            cpus=placement.cpus(),
+            threads=torch.get_num_threads(),
         )
 
     def _param_attr(self, name: str, default: str) -> str:

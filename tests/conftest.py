@@ -70,7 +70,7 @@ class Cluster:
     def __init__(self, target_dir: str, draft_dir: str, dtype: str = "float32", cache_mb: int = 0,
                  draft_options=None, k: int = 4, adaptive: bool = False, pipeline: bool = True,
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
-                 tokenizer: str = ""):
+                 tokenizer: str = "", prefill_overlap: bool | None = True):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -78,7 +78,8 @@ class Cluster:
         self.params = dict(target_dir=target_dir, draft_dir=draft_dir, dtype=dtype, cache_mb=cache_mb,
                            draft_options=draft_options, k=k, adaptive=adaptive, pipeline=pipeline,
                            draft_fallback=draft_fallback, redis_url=redis_url,
-                           max_concurrent_requests=max_concurrent_requests, tokenizer=tokenizer)
+                           max_concurrent_requests=max_concurrent_requests, tokenizer=tokenizer,
+                           prefill_overlap=prefill_overlap)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -106,7 +107,7 @@ class Cluster:
             draft_address=self.draft_address, target_address=self.target_address, redis_url=p["redis_url"],
             policy=KPolicyConfig(k=p["k"], k_min=1, k_max=8, adaptive=p["adaptive"]), pipeline=p["pipeline"],
             draft_fallback=p["draft_fallback"], max_concurrent_requests=p["max_concurrent_requests"],
-            tokenizer=p["tokenizer"],
+            tokenizer=p["tokenizer"], prefill_overlap=p["prefill_overlap"],
         )
         orch, orch_port, _, self.orchestrator = build_orch("127.0.0.1:0", config)
         await orch.start()

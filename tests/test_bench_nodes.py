@@ -83,3 +83,23 @@ def test_own_baseline_only_times_the_target_alone_in_tandems_kernels_only(char_m
     assert len(result["baselines"]) == 1
     assert [name for name in result["modes"] if name.startswith("a_")] == ["a_target_one_core"]
     assert {"b_sequential", "c_pipelined_k2", "d_pipelined_adaptive"} <= set(result["modes"])
+
+
+def test_the_overlap_probe_runs_each_setting_and_auto_follows_the_placement(char_models, tmp_path):
+    """bench.overlap_probe: one unpinned deployment per --prefill-overlap
+    setting, real service processes at two torch threads each; the server says
+    which it chose, and auto overlaps only where 4 threads fit this machine's CPUs."""
+    import os
+
+    from bench.overlap_probe import main
+
+    out = tmp_path / "overlap.json"
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--dtype", "float32", "--settings", "on,off,auto", "--config", "sequential:2",
+                 "--prompts", "code-1,prose-1", "--new-tokens", "6", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["setting"] for run in runs] == ["on", "off", "auto"]
+    assert [run["overlapped"] for run in runs] == [True, False, 2 + 2 <= len(os.sched_getaffinity(0))]
+    for run in runs:
+        assert run["tok_s"] > 0 and set(run["first_token_ms"]) == {"code-1", "prose-1"}
+        assert all(ms > 0 for ms in run["first_token_ms"].values())
