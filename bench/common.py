@@ -60,6 +60,7 @@ class ModeResult:
     accepted_per_position: list[int] = field(default_factory=list)
     tried_per_position: list[int] = field(default_factory=list)
     rounds_per_k: list[int] = field(default_factory=list)  # index: block length
+    pipelined_prompts: int | None = None  # Tandem: prompts whose request pre-drafted (SpeculationStats.pipelined)
     outputs: dict = field(default_factory=dict)
 
 
@@ -199,6 +200,7 @@ class TandemTally:
     verifies: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
     first_tokens: list[float] = field(default_factory=list)
+    pipelined: int = 0
 
     def time(self, client, name: str, ids: list[int], new_tokens: int, **params) -> None:
         """One prompt through the orchestrator, greedy, timed and folded in."""
@@ -214,6 +216,7 @@ class TandemTally:
         self.rejected += s.rejected_rounds
         self.accepted += s.accepted_tokens
         self.hits += s.predraft_hits
+        self.pipelined += s.pipelined
         self.attempts += s.predraft_attempts
         self.k_sum += s.mean_k * s.rounds
         _add_counts(self.rounds_per_k, s.rounds_per_k)
@@ -264,6 +267,7 @@ class TandemTally:
         r.accepted_per_position = self.per_position
         r.tried_per_position = self.tried
         r.rounds_per_k = self.rounds_per_k
+        r.pipelined_prompts = self.pipelined
         return r
 
 

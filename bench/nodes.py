@@ -99,7 +99,7 @@ def deployment(args, cpus_target, cpus_draft, pinned: bool, whole: tuple[bool, i
                      cpus=cpus_target if pinned and not gpu else None)
     draft = Service("draft", ["--model", args.draft, *model_args, *args.draft_args.split()],
                     threads=threads[1], cpus=cpus_draft if pinned and not gpu else None)
-    orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3",
+    orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3", "--pipeline", "auto",
                     "--k-min", str(args.k_min), "--k-max", str(args.k_max), *args.orchestrator_args.split()]
     return Deployment(target, draft, orchestrator)
 
@@ -130,7 +130,8 @@ def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -
     gpu = args.device != "cpu"
     cycle = [("a_target_one_core", None), ("b_sequential", dict(pipeline=False, num_draft_tokens=args.sequential_k)),
              *((f"c_pipelined_k{k}", dict(pipeline=True, num_draft_tokens=k)) for k in fixed_ks),
-             ("d_pipelined_adaptive", dict(pipeline=True))]
+             ("d_pipelined_adaptive", dict(pipeline=True)),
+             ("d_pipeline_auto", dict())]  # no pipeline field: the orchestrator's --pipeline auto picks
     alone = ModeResult()
     tallies = {name: TandemTally() for name, params in cycle if params is not None}
     with on_one_core(cores, gpu):  # left before the deployment: the orchestrator inherits this process's CPUs
@@ -145,7 +146,8 @@ def pinned_modes(args, prompts, target, cores: list[int], fixed_ks: list[int]) -
         tandem_generate(running.address, prompts, 16)
         for i, (name, ids) in enumerate(prompts.items()):
             for mode, params in rotated(cycle, i):
-                print(f"{name}: {MODE_TITLES[mode[0]]}{'' if params is None else _k_label(params)} …", flush=True)
+                print(f"{name}: {MODE_TITLES.get(mode, MODE_TITLES[mode[0]])}"
+                      f"{'' if params is None else _k_label(params)} …", flush=True)
                 if params is None:  # the bench process, on the target's core while the services idle
                     with on_one_core(cores, gpu):
                         hf_time(alone, target, name, ids, args.new_tokens)
@@ -159,7 +161,8 @@ def _k_label(params: dict) -> str:
 
 
 MODE_TITLES = {"a": "(a) target alone, one node", "b": "(b) Tandem sequential, two nodes",
-               "c": "(c) Tandem pipelined", "d": "(d) Tandem pipelined"}
+               "c": "(c) Tandem pipelined", "d": "(d) Tandem pipelined",
+               "d_pipeline_auto": "(d) Tandem, --pipeline auto (per request, the mode its measured costs favour)"}
 
 
 def whole_name(whole: tuple[bool, int, int]) -> str:

@@ -58,6 +58,10 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         if r.overhead_in_services_ms_p50 is not None and r.overhead_ms_per_round_p50 is not None:
             print(f"{label}'s overhead p50 {r.overhead_ms_per_round_p50:.2f} ms: {r.overhead_in_services_ms_p50:.2f} ms p50 "
                   f"in the services' handlers beyond their compute, the rest gRPC both ways and the orchestrator")
+    auto = modes.get("d_pipeline_auto")
+    if auto is not None and auto.tok_s and sequential.tok_s and adaptive.tok_s:
+        print(f"--pipeline auto pre-drafted in {auto.pipelined_prompts} of its {auto.prompts} prompts and ran "
+              f"{cut(auto.tok_s / sequential.tok_s):.2f}x (b) and {cut(auto.tok_s / adaptive.tok_s):.2f}x (d)")
     best_name, best_tok_s = best_ceiling(modes)
     if best_tok_s and sequential.tok_s:
         print(f"the highest pipelined ceiling, {best_name}'s {best_tok_s:.2f} tok/s, is "
@@ -69,6 +73,8 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         "speedup_pipelined_vs_sequential": ratio("d_pipelined_adaptive", "b_sequential"),
         "speedup_whole_machine_vs_hf_assisted": ratio("d_pipelined_adaptive" if gpu else "g_whole_machine",
                                                       "f_hf_assisted_both_cores"),
+        "speedup_pipeline_auto_vs_sequential": ratio("d_pipeline_auto", "b_sequential"),
+        "speedup_pipeline_auto_vs_pipelined": ratio("d_pipeline_auto", "d_pipelined_adaptive"),
         "acceptance_rate": adaptive.acceptance_rate,
         "tokens_per_round": adaptive.tokens_per_round,
         "theory_tokens_per_round": adaptive.theory_tokens_per_round,

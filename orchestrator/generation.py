@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from orchestrator.backends import Proposer, Verifier
 from orchestrator.breaker import DraftBreaker
 from orchestrator.decoder import Committed, Decoder, RoundStats, ServiceView
-from orchestrator.policy import KPolicy, KPolicyConfig, StepCosts
+from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCosts
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import Detokenizer, find_stop
 from tandem import telemetry
@@ -42,7 +42,7 @@ class RequestParams:
 @dataclass(frozen=True)
 class EngineConfig:
     policy: KPolicyConfig = field(default_factory=KPolicyConfig)
-    pipeline: bool = True
+    pipeline: bool | None = True  # None = auto: each request takes the mode expected to be faster (PipelineChoice)
     max_context: int = 32768
     draft_fallback: bool = True  # while the draft service is down, decode on the target alone
     # A turn's prompt: the draft prefills it beside the target (True), or
@@ -75,6 +75,7 @@ class Generation:
         # Step costs are the deployment's, learned from every request; a verify
         # beside a running pre-draft costs more, so each mode has its own.
         self.costs = {mode: StepCosts(config.policy.ema) for mode in (False, True)}
+        self.pipeline_choice = PipelineChoice(config.policy, self.costs)
         self.breaker = DraftBreaker(enabled=config.draft_fallback)
         # The draft's window, once paired: past it, rounds decode on the target alone.
         self.draft_max_context: int | None = None
@@ -95,6 +96,15 @@ class Generation:
             return True
         return self.cores_shared is None
 
+    def pipeline_for(self, params: RequestParams) -> bool:
+        """The request's pipeline field, else the server's --pipeline, else
+        (auto) the mode PipelineChoice expects to be faster here."""
+        if params.pipeline is not None:
+            return params.pipeline
+        if self.config.pipeline is not None:
+            return self.config.pipeline
+        return self.pipeline_choice.choose()
+
     def policy_for(self, params: RequestParams, pipeline: bool) -> KPolicy:
         """The request's draft lengths: its num_draft_tokens, else the server's
         policy. A seeded sampled request drafts the server's fixed k: where the
@@ -114,7 +124,7 @@ class Generation:
         request's (its rounds are its children while tracing)."""
         started = time.perf_counter()
         await self.store.append_tokens(record, turn)  # the turn is committed first
-        pipeline = self.config.pipeline if params.pipeline is None else params.pipeline
+        pipeline = self.pipeline_for(params)
         committed = Committed(record.tokens)
         decoder = Decoder(
             self.proposer, self.verifier, record.session_id, committed,
@@ -166,6 +176,7 @@ class Generation:
                     "tandem.rounds": decoder.stats.rounds, "tandem.drafted": decoder.stats.drafted,
                     "tandem.accepted": decoder.stats.accepted, "tandem.pipeline": pipeline})
         stats = decoder.stats
+        self.pipeline_choice.observe(stats.accepted, stats.rejected_rounds)
         yield tandem_pb2.GenerateEvent(final=tandem_pb2.Completion(
             finish_reason=finish,
             usage=tandem_pb2.Usage(prompt_tokens=len(turn), completion_tokens=len(completion)),
@@ -197,6 +208,7 @@ class Generation:
                 handover_ms_p50=_median(stats.handover_ms),
                 verify_ms_p50=_median(stats.verify_ms),
                 draft_step_ms_p50=_median(stats.draft_step_ms),
+                pipelined=pipeline,
             ),
         ))
         if outcome is not None:

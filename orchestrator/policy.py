@@ -158,14 +158,86 @@ class KPolicy:
         tokens = share_ahead * tokens_ahead + (1 - share_ahead) * tokens_fresh
         return tokens / max(share_ahead * ms(k_ahead) + (1 - share_ahead) * ms(k), 1e-9)
 
-    def choose(self) -> tuple[int, int]:
-        """(k, k_ahead) with the best rate; ties go to the shorter (less wasted drafting)."""
-        if self.alpha is None or self.draft_step_ms is None or self.verify_cost.n == 0:
-            return self.k, self.k_ahead
+    @property
+    def measured(self) -> bool:
+        """Whether a draft step and a verify have been timed in this mode."""
+        return self.draft_step_ms is not None and self.verify_cost.n > 0
+
+    def rates(self, alpha: float) -> dict[tuple[int, int], float]:
+        """Expected tokens per ms of every (k, k_ahead) within the bounds at
+        acceptance `alpha` (k_ahead = k when sequential); needs `measured`."""
         candidates = range(self.config.k_min, self.config.k_max + 1)
-        rounds = {n: (self.alpha ** (n + 1), expected_tokens_per_round(self.alpha, n), self.verify_cost(n + 1))
+        rounds = {n: (alpha ** (n + 1), expected_tokens_per_round(alpha, n), self.verify_cost(n + 1))
                   for n in candidates}
         pairs = [(k, a) for k in candidates for a in (candidates if self.pipelined else (k,))]
-        rates = {pair: self.rate(*pair, rounds) for pair in pairs}
+        return {pair: self.rate(*pair, rounds) for pair in pairs}
+
+    def choose(self) -> tuple[int, int]:
+        """(k, k_ahead) with the best rate; ties go to the shorter (less wasted drafting)."""
+        if self.alpha is None or not self.measured:
+            return self.k, self.k_ahead
+        rates = self.rates(self.alpha)
         best = max(rates.values())
-        return min((pair for pair in pairs if rates[pair] >= best * (1 - 1e-6)), key=lambda p: (p[1], p[0]))
+        return min((pair for pair in rates if rates[pair] >= best * (1 - 1e-6)), key=lambda p: (p[1], p[0]))
+
+
+class PipelineChoice:
+    """--pipeline auto: whether a request pre-drafts beside its verifies.
+
+    A pre-draft hides a block's drafting only on a hit (the whole block
+    accepted and the bonus token guessed), while the verify beside it shares
+    the machine's memory bandwidth with the draft and runs slower. Per round
+    of k tokens pipelining pays when h·k·s > V_beside − V_alone: on a 2-core
+    AMX Xeon it did (0.418 × 3 × 35.2 = 44.1 ms against 23.8; pipelined k = 3
+    1.034x sequential), on a 2-core Zen 4 it did not (0.390 × 3 × 12.8 = 14.9 ms
+    against 19.1; 0.973x), bench/RESULTS.md. So each mode keeps its own step
+    costs (Generation.costs) and each request takes the mode whose best (k,
+    k_ahead) KPolicy.rate expects to be faster at the deployment's acceptance.
+    A mode not timed yet is tried first (pipelined, then sequential), and every
+    `explore_every`-th request takes the other mode, so that both modes' costs
+    follow the machine as its load changes."""
+
+    def __init__(self, config: KPolicyConfig, costs: dict[bool, StepCosts], explore_every: int = 8):
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+        self.config = config
+        self.costs = costs
+        self.explore_every = explore_every
+        self.requests = 0
+        self._accepted = 0.0
+        self._tried = 0.0
+
+    @property
+    def alpha(self) -> float | None:
+        """The deployment's acceptance: decayed sums over requests, as KPolicy's."""
+        return self._accepted / self._tried if self._tried else None
+
+    def observe(self, accepted: int, rejected_rounds: int) -> None:
+        """A finished request's accepted draft tokens and rejected rounds."""
+        if accepted + rejected_rounds:
+            keep = 1 - self.config.ema
+            self._accepted = keep * self._accepted + accepted
+            self._tried = keep * self._tried + accepted + rejected_rounds
+
+    def expected_rate(self, pipelined: bool) -> float | None:
+        """Tokens per ms of the mode's best draft lengths; None until it was timed."""
+        policy = KPolicy(self.config, pipelined, self.costs[pipelined])
+        if self.alpha is None or not policy.measured:
+            return None
+        return max(policy.rates(self.alpha).values())
+
+    def preferred(self) -> bool:
+        """The mode a request gets when it does not explore."""
+        rates = {mode: self.expected_rate(mode) for mode in (True, False)}
+        for mode in (True, False):
+            if rates[mode] is None:
+                return mode
+        return rates[True] >= rates[False]
+
+    def choose(self) -> bool:
+        """The next request's mode: the preferred one, or the other every
+        explore_every-th request once both were timed."""
+        self.requests += 1
+        explore = self.requests % self.explore_every == 0
+        timed = all(self.expected_rate(mode) is not None for mode in (True, False))
+        return self.preferred() != (explore and timed)

@@ -35,7 +35,7 @@ class OrchestratorConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     tokenizer: str = ""  # path or hub id; "" = the target's model, "none" = token ids only
     policy: KPolicyConfig = field(default_factory=KPolicyConfig)
-    pipeline: bool = True
+    pipeline: bool | None = True  # None = auto: per request, the mode expected to be faster (PipelineChoice)
     # A turn's prompt: the draft prefills it beside the target's prefill (True)
     # or before it (False); None = auto: beside it unless the two services
     # share a machine's cores (tandem.placement.shared_cores).
@@ -321,7 +321,9 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             draft_backend=self.draft_info.backend if self.draft_info else "",
             max_context=self.target_info.max_context,
             k=policy.k, k_min=policy.k_min, k_max=policy.k_max, adaptive_k=policy.adaptive,
-            pipeline=self.config.pipeline,
+            pipeline=(self.generation.pipeline_choice.preferred() if self.config.pipeline is None
+                      else self.config.pipeline),
+            pipeline_auto=self.config.pipeline is None,
             has_tokenizer=self.tokenizer is not None,
             prefill_overlap=self.generation.prefill_overlap(),
         )

@@ -169,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
     orch.add_argument("--k-max", type=int, default=8, help="adaptive k upper bound")
     orch.add_argument("--adaptive-k", choices=["on", "off"], default="on", help="choose k per session from measurements")
-    orch.add_argument("--pipeline", choices=["on", "off"], default="on", help="draft the next block during verification")
+    orch.add_argument("--pipeline", choices=["on", "off", "auto"], default="on",
+                      help="draft the next block during verification; auto: per request, whichever of on and off "
+                           "the step costs measured so far expect to be faster here (a verify runs slower beside a "
+                           "pre-draft on some CPUs); a request's own pipeline field wins (default: %(default)s)")
     orch.add_argument("--prefill-overlap", choices=["auto", "on", "off"], default="auto",
                       help="on: a turn's first round: the target prefills the prompt and decodes one token while "
                            "the draft prefills the prompt beside it (pipelined: and pre-drafts after it); off: the "
@@ -248,7 +251,7 @@ def _serve(args) -> None:
                 draft_address=args.draft, target_address=args.target, redis_url=args.redis_url,
                 tokenizer=args.tokenizer,
                 policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
-                pipeline=args.pipeline == "on",
+                pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
                 prefill_overlap={"auto": None, "on": True, "off": False}[args.prefill_overlap],
                 default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",

@@ -64,6 +64,11 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
                 "speedup_whole_machine_vs_hf_assisted"):
         assert result[key] > 0, key
     assert modes["d_pipelined_adaptive"]["tried_per_position"], "the adaptive mode's per-position counts"
+    # --pipeline auto: its requests carry no pipeline field, and the pinned
+    # orchestrator picks; (d) pre-drafted on every prompt, (b) on none.
+    assert "d_pipeline_auto" in modes and 0 <= modes["d_pipeline_auto"]["pipelined_prompts"] <= 2
+    assert modes["d_pipelined_adaptive"]["pipelined_prompts"] == 2 and modes["b_sequential"]["pipelined_prompts"] == 0
+    assert result["speedup_pipeline_auto_vs_sequential"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
     # (f) is HF assisted: its 2 prompts, timed beside each of the 2 (g) configurations, ran with the draft
     assert runs.count((True, 12)) == 4

@@ -93,3 +93,31 @@ def test_auto_turns_the_overlap_off_where_the_services_share_cores(tiny_models, 
     assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 12)
     stats = result.stats
     assert stats.tried_per_position[0] == stats.rounds - (1 if overlap else 0)
+
+
+def test_pipeline_auto_times_both_modes_then_takes_the_faster(tiny_models):
+    """--pipeline auto over real gRPC: the first request pre-drafts, the second
+    does not, and each later one takes the mode the measured costs favour
+    (ServerInfo says which); a request's own pipeline field wins. Every
+    output is the target alone's."""
+    cluster = Cluster(tiny_models["target"], tiny_models["target"], pipeline=None)
+    prompt = [2, 7, 1, 8, 2, 8]
+    expected = reference_greedy(tiny_models["target"], prompt, 10)
+    try:
+        with cluster.client() as client:
+            assert client.server_info().pipeline_auto
+            modes, preferred_before = [], []
+            for _ in range(3):
+                preferred_before.append(cluster.orchestrator.generation.pipeline_choice.preferred())
+                result = client.generate(prompt_ids=prompt, max_tokens=10)
+                assert result.token_ids == expected
+                modes.append(result.stats.pipelined)
+                assert (result.stats.predraft_attempts > 0) is result.stats.pipelined
+            preferred = cluster.orchestrator.generation.pipeline_choice.preferred()
+            assert client.server_info().pipeline is preferred
+            forced = client.generate(prompt_ids=prompt, max_tokens=10, pipeline=not preferred)
+            assert forced.stats.pipelined is (not preferred) and forced.token_ids == expected
+    finally:
+        cluster.stop()
+    assert modes[:2] == [True, False]
+    assert modes[2] is preferred_before[2]  # the 3rd of every 8 does not explore

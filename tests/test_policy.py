@@ -1,7 +1,7 @@
 """Adaptive draft length: bounds and direction on synthetic measurements."""
 import pytest
 
-from orchestrator.policy import KPolicy, KPolicyConfig, expected_tokens_per_round
+from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCosts, expected_tokens_per_round
 
 
 def test_leviathan_tau():
@@ -143,3 +143,58 @@ def test_pipelined_drafts_short_on_the_critical_path_and_long_beside_a_verify():
     assert 1 <= policy.k < policy.k_ahead <= 8
     sequential = KPolicy(KPolicyConfig(k=3, k_min=1, k_max=8), pipelined=False)
     assert sequential.k == sequential.k_ahead
+
+
+def _costs(step_ms: float, verify_4_ms: float, slope_ms: float) -> StepCosts:
+    """A draft step and verifies of 2..7 tokens, verify_4_ms at 4 tokens."""
+    costs = StepCosts(1.0)
+    for tokens in range(2, 8):
+        costs.observe(tokens, step_ms, verify_4_ms + slope_ms * (tokens - 4))
+    return costs
+
+
+# Measured in make bench-nodes (bench/RESULTS.md): sequential (b) and pipelined
+# (c) k=3 on the same prompts, a draft step and a verify of 3+1 tokens, ms.
+ZEN4 = dict(sequential=(10.9, 149.2), pipelined=(12.8, 168.3))  # (c) k=3 ran 0.973x (b)
+AMX = dict(sequential=(34.8, 515.0), pipelined=(35.2, 538.8))  # (c) k=3 ran 1.034x (b)
+
+
+@pytest.mark.parametrize("machine, pipelined", [(ZEN4, False), (AMX, True)])
+def test_auto_pipelines_where_the_pre_draft_hides_more_than_the_verify_loses(machine, pipelined):
+    """h·k·s against V_beside − V_alone: on the Zen 4 VM a draft step is 0.073
+    of a verify and the verify beside a draft 12.8% slower, so sequential
+    wins; on the AMX VM the verify is 4.6% slower and pipelining wins."""
+    costs = {False: _costs(*machine["sequential"], 6.0), True: _costs(*machine["pipelined"], 7.0)}
+    choice = PipelineChoice(KPolicyConfig(k=3, k_min=1, k_max=6), costs)
+    choice.observe(accepted=75, rejected_rounds=25)
+    assert choice.alpha == pytest.approx(0.75)
+    assert choice.preferred() is pipelined
+    assert (choice.expected_rate(True) > choice.expected_rate(False)) is pipelined
+
+
+def test_auto_times_each_mode_first_then_explores_the_other_every_nth_request():
+    costs = {False: StepCosts(1.0), True: StepCosts(1.0)}
+    choice = PipelineChoice(KPolicyConfig(k=3, k_min=1, k_max=6), costs, explore_every=4)
+    assert choice.choose() is True  # nothing timed: pipelined first
+    costs[True].observe(4, *AMX["pipelined"])
+    choice.observe(accepted=8, rejected_rounds=2)
+    assert choice.choose() is False  # then sequential, still untimed
+    costs[False].observe(4, *AMX["sequential"])
+    # Both timed, pipelining expected faster: the 4th request of every 4 explores.
+    assert [choice.choose() for _ in range(8)] == [True, False, True, True, True, False, True, True]
+
+
+def test_auto_follows_the_costs_as_they_change():
+    costs = {False: _costs(*AMX["sequential"], 6.0), True: _costs(*AMX["pipelined"], 7.0)}
+    choice = PipelineChoice(KPolicyConfig(k=3, k_min=1, k_max=6, ema=0.5), costs)
+    choice.observe(accepted=75, rejected_rounds=25)
+    assert choice.preferred() is True
+    for _ in range(6):  # the machine gets busy: a verify beside a pre-draft now costs 40% more
+        for tokens in range(2, 8):
+            costs[True].observe(tokens, 35.2, 1.4 * (515.0 + 6.0 * (tokens - 4)))
+    assert choice.preferred() is False
+
+
+def test_auto_checks_its_exploration_period():
+    with pytest.raises(ValueError, match="explore_every"):
+        PipelineChoice(KPolicyConfig(), {False: StepCosts(0.3), True: StepCosts(0.3)}, explore_every=1)
