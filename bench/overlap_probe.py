@@ -21,8 +21,6 @@ from pathlib import Path
 
 from bench.common import PROMPTS, RESULTS, TandemTally, machine, prompt_ids, resolve_dtype, write
 
-log = logging.getLogger("bench.overlap_probe")
-
 
 def main(argv=None) -> int:
     from bench.nodes import deployment, whole_configs

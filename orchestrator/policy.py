@@ -93,27 +93,46 @@ class StepCosts:
             self.verify.observe(tokens_verified, verify_ms)
 
 
+class Acceptance:
+    """Per-token acceptance α as a ratio of decayed sums, accepted / tried,
+    each round (or request) adding its accepted tokens and its rejections.
+    The mean of per-round ratios would be biased low: a round rejected at its
+    first token counts as α = 0 with the weight of a round that tried k tokens
+    (at α = 0.8, k = 4 it reads about 0.65)."""
+
+    def __init__(self, weight: float):
+        self.keep = 1 - weight
+        self.accepted = 0.0
+        self.tried = 0.0
+
+    def add(self, accepted: int, rejected: int) -> None:
+        if accepted + rejected:
+            self.accepted = self.keep * self.accepted + accepted
+            self.tried = self.keep * self.tried + accepted + rejected
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted / self.tried if self.tried else None
+
+
 class KPolicy:
     """Tracks α per session, reads the step costs (shared across sessions when
     given), and picks the draft lengths that maximize expected tokens per
     second. Pipelined, a fresh draft (after a miss) is on the critical path and
     a pre-draft is not, so each gets its own length: short after a miss, long
-    beside a verify that would otherwise leave the draft idle.
-
-    α is a ratio of decayed sums, accepted / tried. The mean of per-round
-    ratios would be biased low: a round rejected at its first token counts as
-    α = 0 with the weight of a round that tried k tokens (at α = 0.8, k = 4 it
-    reads about 0.65)."""
+    beside a verify that would otherwise leave the draft idle. α: Acceptance."""
 
     def __init__(self, config: KPolicyConfig, pipelined: bool, costs: StepCosts | None = None):
         self.config = config
         self.pipelined = pipelined
         self.costs = costs if costs is not None else StepCosts(config.ema)
-        self.alpha: float | None = None
-        self._accepted = 0.0
-        self._tried = 0.0
+        self.acceptance = Acceptance(config.ema)
         self.k = config.k  # blocks drafted on the critical path (every block when sequential)
         self.k_ahead = config.k  # blocks pre-drafted beside a verify (pipelined)
+
+    @property
+    def alpha(self) -> float | None:
+        return self.acceptance.alpha
 
     @property
     def draft_step_ms(self) -> float | None:
@@ -125,10 +144,7 @@ class KPolicy:
 
     def observe(self, drafted: int, accepted: int, draft_step_ms: float, verify_ms: float) -> None:
         if drafted:
-            keep = 1 - self.config.ema
-            self._accepted = keep * self._accepted + accepted
-            self._tried = keep * self._tried + accepted + (1 if accepted < drafted else 0)
-            self.alpha = self._accepted / self._tried
+            self.acceptance.add(accepted, 1 if accepted < drafted else 0)
         self.costs.observe(drafted + 1, draft_step_ms, verify_ms)
         if self.config.adaptive:
             self.k, self.k_ahead = self.choose()
@@ -204,20 +220,15 @@ class PipelineChoice:
         self.costs = costs
         self.explore_every = explore_every
         self.requests = 0
-        self._accepted = 0.0
-        self._tried = 0.0
+        self.acceptance = Acceptance(config.ema)  # the deployment's, over requests
 
     @property
     def alpha(self) -> float | None:
-        """The deployment's acceptance: decayed sums over requests, as KPolicy's."""
-        return self._accepted / self._tried if self._tried else None
+        return self.acceptance.alpha
 
     def observe(self, accepted: int, rejected_rounds: int) -> None:
         """A finished request's accepted draft tokens and rejected rounds."""
-        if accepted + rejected_rounds:
-            keep = 1 - self.config.ema
-            self._accepted = keep * self._accepted + accepted
-            self._tried = keep * self._tried + accepted + rejected_rounds
+        self.acceptance.add(accepted, rejected_rounds)
 
     def expected_rate(self, pipelined: bool) -> float | None:
         """Tokens per ms of the mode's best draft lengths; None until it was timed."""
@@ -226,18 +237,21 @@ class PipelineChoice:
             return None
         return max(policy.rates(self.alpha).values())
 
-    def preferred(self) -> bool:
-        """The mode a request gets when it does not explore."""
+    def _preferred(self) -> tuple[bool, bool]:
+        """(the mode a request gets when it does not explore, whether both
+        modes were timed): an untimed mode first, pipelined before sequential."""
         rates = {mode: self.expected_rate(mode) for mode in (True, False)}
         for mode in (True, False):
             if rates[mode] is None:
-                return mode
-        return rates[True] >= rates[False]
+                return mode, False
+        return rates[True] >= rates[False], True
+
+    def preferred(self) -> bool:
+        return self._preferred()[0]
 
     def choose(self) -> bool:
         """The next request's mode: the preferred one, or the other every
         explore_every-th request once both were timed."""
         self.requests += 1
-        explore = self.requests % self.explore_every == 0
-        timed = all(self.expected_rate(mode) is not None for mode in (True, False))
-        return self.preferred() != (explore and timed)
+        mode, timed = self._preferred()
+        return mode != (timed and self.requests % self.explore_every == 0)

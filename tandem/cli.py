@@ -115,7 +115,7 @@ def _sampling_kwargs(args) -> dict:
     return dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
-        pipeline=None if args.pipeline is None else args.pipeline == "on",
+        pipeline=_switch(args.pipeline),
     )
 
 
@@ -212,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _switch(value: str | None) -> bool | None:
+    """An on|off|auto flag as the configs take it: True, False, None (auto or unset)."""
+    return {"on": True, "off": False}.get(value)
+
+
 def _serve(args) -> None:
     from tandem import serving, telemetry
     from tandem.launch import die_with_parent
@@ -251,8 +256,7 @@ def _serve(args) -> None:
                 draft_address=args.draft, target_address=args.target, redis_url=args.redis_url,
                 tokenizer=args.tokenizer,
                 policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
-                pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
-                prefill_overlap={"auto": None, "on": True, "off": False}[args.prefill_overlap],
+                pipeline=_switch(args.pipeline), prefill_overlap=_switch(args.prefill_overlap),
                 default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
