@@ -179,10 +179,11 @@ class KPolicy:
         """Whether a draft step and a verify have been timed in this mode."""
         return self.draft_step_ms is not None and self.verify_cost.n > 0
 
-    def rates(self, alpha: float) -> dict[tuple[int, int], float]:
+    def rates(self, alpha: float, ks: list[int] | None = None) -> dict[tuple[int, int], float]:
         """Expected tokens per ms of every (k, k_ahead) within the bounds at
-        acceptance `alpha` (k_ahead = k when sequential); needs `measured`."""
-        candidates = range(self.config.k_min, self.config.k_max + 1)
+        acceptance `alpha` (k_ahead = k when sequential), or of those drawn
+        from `ks` only; needs `measured`."""
+        candidates = range(self.config.k_min, self.config.k_max + 1) if ks is None else ks
         rounds = {n: (alpha ** (n + 1), expected_tokens_per_round(alpha, n), self.verify_cost(n + 1))
                   for n in candidates}
         pairs = [(k, a) for k in candidates for a in (candidates if self.pipelined else (k,))]
@@ -211,7 +212,13 @@ class PipelineChoice:
     k_ahead) KPolicy.rate expects to be faster at the deployment's acceptance.
     A mode not timed yet is tried first (pipelined, then sequential), and every
     `explore_every`-th request takes the other mode, so that both modes' costs
-    follow the machine as its load changes."""
+    follow the machine as its load changes.
+
+    Both modes are rated over the draft lengths whose verify both have timed
+    (common_ks), where there are any: a CostTable guesses an unseen length
+    optimistically (flat above the longest seen, proportional below the
+    shortest), so over all lengths the mode timed at fewer of them would look
+    faster for lengths it never ran."""
 
     def __init__(self, config: KPolicyConfig, costs: dict[bool, StepCosts], explore_every: int = 8):
         if explore_every < 2:
@@ -230,17 +237,27 @@ class PipelineChoice:
         """A finished request's accepted draft tokens and rejected rounds."""
         self.acceptance.add(accepted, rejected_rounds)
 
-    def expected_rate(self, pipelined: bool) -> float | None:
-        """Tokens per ms of the mode's best draft lengths; None until it was timed."""
+    def common_ks(self) -> list[int] | None:
+        """The draft lengths within the bounds whose verify (k + 1 tokens) both
+        modes have timed; None where there is none."""
+        seen = set(self.costs[True].verify.ms) & set(self.costs[False].verify.ms)
+        ks = sorted(n - 1 for n in seen if self.config.k_min <= n - 1 <= self.config.k_max)
+        return ks or None
+
+    def expected_rate(self, pipelined: bool, ks: list[int] | None = None) -> float | None:
+        """Tokens per ms of the mode's best draft lengths (drawn from `ks` when
+        given); None until it was timed."""
         policy = KPolicy(self.config, pipelined, self.costs[pipelined])
         if self.alpha is None or not policy.measured:
             return None
-        return max(policy.rates(self.alpha).values())
+        return max(policy.rates(self.alpha, ks).values())
 
     def _preferred(self) -> tuple[bool, bool]:
         """(the mode a request gets when it does not explore, whether both
-        modes were timed): an untimed mode first, pipelined before sequential."""
-        rates = {mode: self.expected_rate(mode) for mode in (True, False)}
+        modes were timed): an untimed mode first, pipelined before sequential;
+        once both were timed, the faster over common_ks."""
+        ks = self.common_ks()
+        rates = {mode: self.expected_rate(mode, ks) for mode in (True, False)}
         for mode in (True, False):
             if rates[mode] is None:
                 return mode, False

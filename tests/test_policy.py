@@ -172,6 +172,29 @@ def test_auto_pipelines_where_the_pre_draft_hides_more_than_the_verify_loses(mac
     assert (choice.expected_rate(True) > choice.expected_rate(False)) is pipelined
 
 
+def test_auto_compares_the_modes_at_the_lengths_both_have_timed():
+    """Sequential timed at 3+1 tokens only, pipelined at 2..7 tokens: at k = 3
+    the pre-draft wins (2.73 tokens per 184.6 ms against 198 ms), but the flat
+    and proportional guesses for lengths sequential never ran (a verify of 1+1
+    tokens guessed at 82.5 ms, measured 100 pipelined) would make it look the
+    faster."""
+    pipelined, sequential = StepCosts(1.0), StepCosts(1.0)
+    for tokens, verify_ms in {2: 100.0, 3: 130.0, 4: 160.0, 5: 190.0, 6: 220.0, 7: 250.0}.items():
+        pipelined.observe(tokens, 12.0, verify_ms)
+    sequential.observe(4, 11.0, 165.0)
+    choice = PipelineChoice(KPolicyConfig(k=3, k_min=1, k_max=6), {True: pipelined, False: sequential})
+    choice.observe(accepted=75, rejected_rounds=25)
+    assert choice.common_ks() == [3]
+    assert choice.expected_rate(False) > choice.expected_rate(True)  # over all lengths, guesses included
+    assert choice.expected_rate(True, [3]) > choice.expected_rate(False, [3])
+    assert choice.preferred() is True
+    sequential.observe(8, 11.0, 300.0)  # k = 7 is beyond k_max: not a common length
+    pipelined.observe(8, 12.0, 280.0)
+    assert choice.common_ks() == [3]
+    choice = PipelineChoice(KPolicyConfig(k=3, k_min=1, k_max=6), {True: pipelined, False: StepCosts(1.0)})
+    assert choice.common_ks() is None
+
+
 def test_auto_times_each_mode_first_then_explores_the_other_every_nth_request():
     costs = {False: StepCosts(1.0), True: StepCosts(1.0)}
     choice = PipelineChoice(KPolicyConfig(k=3, k_min=1, k_max=6), costs, explore_every=4)
