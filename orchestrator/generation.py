@@ -10,8 +10,9 @@ from typing import AsyncIterator
 
 from orchestrator.backends import Proposer, Verifier
 from orchestrator.breaker import DraftBreaker
-from orchestrator.decoder import Committed, Decoder, RoundStats, ServiceView
+from orchestrator.decoder import Decoder
 from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCosts
+from orchestrator.rounds import Committed, RoundStats, ServiceView
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import Detokenizer, find_stop
 from tandem import telemetry

@@ -7,7 +7,8 @@ import pytest
 from draft_service.drafters import ModelDrafter
 from orchestrator.backends import ServiceUnavailable
 from orchestrator.breaker import DraftBreaker
-from orchestrator.decoder import Committed, Decoder, ServiceView
+from orchestrator.decoder import Decoder
+from orchestrator.rounds import Committed, ServiceView
 from orchestrator.inprocess import InProcessProposer, InProcessVerifier
 from orchestrator.policy import KPolicy, KPolicyConfig
 from tandem.modeling import ModelConfig, ModelRunner, load
