@@ -60,10 +60,12 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                         "builds, else on fp16-weight layers where FBGEMM has them (faster than native bf16 without "
                         "AMX too), else bfloat16 with native bf16, else float32 (see --linear) "
                         "(default: %(default)s)")
-    p.add_argument("--linear", default="auto", choices=["auto", "native", "packed", "fp16", "bf16w"],
+    p.add_argument("--linear", default="auto", choices=["auto", "native", "packed", "fp16", "bf16w", "bf16dot"],
                    help="linear kernels (CPU): bf16w = float32 on weights held in bf16 (tandem/bf16w.c, built "
                         "once with the system C compiler; CPUs with AVX-512 or AVX2), for layers whose weights are "
-                        "bf16 values (others fp16); fp16 = FBGEMM on weights stored in fp16, float32 only, for "
+                        "bf16 values (others fp16); bf16dot = the same layers with their inputs rounded to bf16, "
+                        "on the CPU's bf16 dot product (tandem/bf16dot.c; AVX512-BF16): a verify of a few tokens "
+                        "costs little more than one, but the output is no longer float32's; fp16 = FBGEMM on weights stored in fp16, float32 only, for "
                         "layers whose weights convert exactly (others packed); packed = oneDNN with weights "
                         "reordered at load, float32, or bfloat16 on CPUs with native bf16; native = nn.Linear; "
                         "auto = bf16w where it builds, else fp16 where it applies, else packed "

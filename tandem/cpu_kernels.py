@@ -60,7 +60,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LINEAR_KERNELS = ("auto", "native", "packed", "fp16", "bf16w")
+LINEAR_KERNELS = ("auto", "native", "packed", "fp16", "bf16w", "bf16dot")
 
 
 def native_bf16() -> bool:
@@ -142,6 +142,11 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
         if (why := bf16w.unavailable()) is not None:
             raise ValueError(f"bf16w linear layers cannot run here: {why}; use --linear fp16, packed or native")
         return "bf16w"
+    if linear == "bf16dot":
+        from tandem import bf16w
+        if (why := bf16w.DOT_KERNEL.unavailable()) is not None:
+            raise ValueError(f"bf16dot linear layers cannot run here: {why}; use --linear bf16w, fp16, packed or native")
+        return "bf16dot"
     if linear == "auto" and bf16w_preferred():
         return "bf16w"
     if linear in ("auto", "fp16") and fp16_available() and packed_available():
@@ -267,13 +272,14 @@ class Fp16Linear(torch.nn.Module):
 def pack_linear(linear: torch.nn.Linear, kernel: str = "packed") -> torch.nn.Module:
     """The replacement of one nn.Linear: a PackedLinear; for kernel="fp16" an
     Fp16Linear where its weights convert exactly (else a PackedLinear); for
-    kernel="bf16w" a Bf16wLinear where they are bf16 values (else as for "fp16")."""
-    if kernel not in ("packed", "fp16", "bf16w"):
-        raise ValueError(f"kernel must be 'packed', 'fp16' or 'bf16w', got {kernel!r}")
-    if kernel == "bf16w":
+    kernel="bf16w" a Bf16wLinear where they are bf16 values (else as for
+    "fp16"), and for "bf16dot" a Bf16dotLinear there."""
+    if kernel not in ("packed", "fp16", "bf16w", "bf16dot"):
+        raise ValueError(f"kernel must be 'packed', 'fp16', 'bf16w' or 'bf16dot', got {kernel!r}")
+    if kernel in ("bf16w", "bf16dot"):
         from tandem import bf16w
         if bf16w.fits(linear):
-            return bf16w.Bf16wLinear(linear)
+            return bf16w.Bf16dotLinear(linear) if kernel == "bf16dot" else bf16w.Bf16wLinear(linear)
         kernel = "fp16" if fp16_available() else "packed"
     exact = exact_fp16(linear.weight.detach().float()) if kernel == "fp16" else None
     return Fp16Linear(linear, exact) if exact is not None else PackedLinear(linear)
@@ -298,10 +304,12 @@ def pack_linears(model: torch.nn.Module, kernel: str = "packed") -> int:
     another module (a tied lm_head) stays where it is for that module; the
     replacement holds its own copy."""
     made = replace_linears(model, lambda layer: pack_linear(layer, kernel))
-    kinds = {name: sum(type(m).__name__ == name for m in made) for name in ("Bf16wLinear", "Fp16Linear", "PackedLinear")}
-    if kernel == "bf16w":
-        log.info("%d linear layers on bf16 weights (tandem/bf16w.c), %d on fp16 weights (FBGEMM), %d packed for "
-                 "oneDNN (their weights are not bf16 values)", *kinds.values())
+    names = ("Bf16dotLinear" if kernel == "bf16dot" else "Bf16wLinear", "Fp16Linear", "PackedLinear")
+    kinds = {name: sum(type(m).__name__ == name for m in made) for name in names}
+    if kernel in ("bf16w", "bf16dot"):
+        log.info("%d linear layers on bf16 weights (tandem/%s.c), %d on fp16 weights (FBGEMM), %d packed for "
+                 "oneDNN (their weights are not bf16 values)", kinds[names[0]], kernel, kinds["Fp16Linear"],
+                 kinds["PackedLinear"])
     elif kernel == "fp16":
         log.info("%d linear layers on fp16 weights (FBGEMM), %d packed for oneDNN "
                  "(their weights do not convert to fp16 exactly)", kinds["Fp16Linear"], kinds["PackedLinear"])

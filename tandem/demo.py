@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     for other_dtype, linear in baseline_configs("cpu", dtype)[1:]:  # others that may decode faster here
         _, other_tok_s = target_alone(args.target, other_dtype, linear, prompt_ids, result.completion_tokens)
         kernels = {"native": "nn.Linear", "fp16": "fp16-weight layers", "packed": "packed layers",
-                   "bf16w": "bf16-weight layers"}[
+                   "bf16w": "bf16-weight layers", "bf16dot": "bf16 dot-product layers"}[
             resolve_linear(linear, "cpu", other_dtype)]
         print(f"target alone ({config_label(other_dtype, linear)}, {kernels}) {other_tok_s:.2f} tok/s")
         best_tok_s = max(best_tok_s, other_tok_s)

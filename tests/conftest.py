@@ -70,7 +70,7 @@ class Cluster:
     def __init__(self, target_dir: str, draft_dir: str, dtype: str = "float32", cache_mb: int = 0,
                  draft_options=None, k: int = 4, adaptive: bool = False, pipeline: bool = True,
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
-                 tokenizer: str = "", prefill_overlap: bool | None = True):
+                 tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto"):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -79,7 +79,7 @@ class Cluster:
                            draft_options=draft_options, k=k, adaptive=adaptive, pipeline=pipeline,
                            draft_fallback=draft_fallback, redis_url=redis_url,
                            max_concurrent_requests=max_concurrent_requests, tokenizer=tokenizer,
-                           prefill_overlap=prefill_overlap)
+                           prefill_overlap=prefill_overlap, target_linear=target_linear)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -94,7 +94,8 @@ class Cluster:
         p = self.params
         cache = CacheConfig(budget_mb=p["cache_mb"], session_ttl_s=0)
         target, target_port, _, self.target = build_target(
-            "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"]), cache)
+            "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"], linear=p["target_linear"]),
+            cache)
         draft, draft_port, _, self.draft = build_draft(
             "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"]), cache,
             p["draft_options"] or DraftOptions())

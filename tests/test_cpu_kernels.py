@@ -2,8 +2,9 @@
 computes, and the model config picks them only where they apply."""
 import pytest
 import torch
+from transformers import DynamicCache
 
-from tandem import bf16w, cpu_kernels
+from tandem import bf16w, cpu_kernels, modeling
 from tandem.modeling import ModelConfig, load_causal_lm
 from tests.conftest import reference_greedy
 
@@ -229,6 +230,84 @@ def test_bf16w_layers_compute_the_float32_product_and_rows_do_not_depend_on_each
         assert torch.equal(layer(x.reshape(13, 1, in_features)).reshape(13, -1), got)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(bf16w.DOT_KERNEL.unavailable() is not None, reason=f"bf16dot: {bf16w.DOT_KERNEL.unavailable()}")
+@pytest.mark.parametrize("out_features,in_features,bias", [(80, 34, True), (128, 64, False), (16, 6, True)])
+def test_bf16dot_layers_sum_the_bf16_products_in_order_and_rows_do_not_depend_on_each_other(out_features,
+                                                                                          in_features, bias):
+    """The inputs rounded to bf16 (to nearest even), then per output one float32
+    sum over the pairs of input columns in order (AVX512-BF16's vdpbf16ps adds
+    a pair's two exact products, the odd column's first in Intel's manual; a
+    Zen 5 VM matched that order bit for bit, which this test does not require)."""
+    torch.manual_seed(0)
+    linear = _bf16_linear(out_features, in_features, bias)
+    with torch.no_grad():
+        linear.weight[3] *= 2.0**24  # no subnormal weights: the dot product reads them as zero
+    layer = bf16w.Bf16dotLinear(linear)
+    x = torch.randn(13, in_features)
+    got = layer(x)
+    assert got.shape == (13, out_features) and got.dtype == torch.float32
+    exact64 = torch.nn.functional.linear(x.bfloat16().double(), linear.weight.double(),
+                                         None if linear.bias is None else linear.bias.double())
+    scale64 = exact64.abs().amax(dim=-1, keepdim=True) + 1e-30
+    assert ((got.double() - exact64).abs() / scale64).max() < 1e-6  # float32 sums of the bf16 inputs' products
+    unrounded64 = torch.nn.functional.linear(x.double(), linear.weight.double(), None)
+    assert ((exact64 - unrounded64 - (0 if linear.bias is None else linear.bias.double())).abs() / scale64).max() > 1e-5
+    for rows in (1, 4, 5, 8, 9):  # a verify's rows equal one-token decoding's
+        assert torch.equal(layer(x[:rows]), got[:rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x.reshape(13, 1, in_features)).reshape(13, -1), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(bf16w.DOT_KERNEL.unavailable() is not None, reason=f"bf16dot: {bf16w.DOT_KERNEL.unavailable()}")
+def test_bf16dot_model_is_its_own_reference_and_tandem_equals_it(tiny_models):
+    """With --linear bf16dot the target is not float32's, so Tandem's greedy
+    output is compared with the target alone on the same kernels, over real
+    gRPC, with a draft that is mostly rejected, sequential and pipelined.
+    The linear layers give a verify's rows bit for bit what decoding gives;
+    the attention over a block of queries may differ from one query's in the
+    last float32 bit, which a bf16 rounding can carry into a near-tie: on
+    the real pair 3 of 4 bench prompts were identical (bench/RESULTS.md)."""
+    from tests.conftest import Cluster
+
+    path = tiny_models["target"]
+    model = load_causal_lm(path, ModelConfig(path, dtype="float32", linear="bf16dot"))
+    assert not any(type(m) in (torch.nn.Linear, bf16w.Bf16wLinear, cpu_kernels.Fp16Linear, cpu_kernels.PackedLinear)
+                   for m in model.modules())  # bf16 weights, shapes that fit: all bf16dot
+    assert model.config._attn_implementation == modeling.ROW_BY_ROW
+    ids = torch.tensor([[(11 * i) % 128 for i in range(30)]])
+    cache = modeling.cache_kwarg(model)
+    with torch.inference_mode():  # a verify of 6 tokens: its logits are one-token decoding's, bit for bit
+        block_cache, step_cache = DynamicCache(), DynamicCache()
+        model(ids[:, :24], use_cache=True, **{cache: block_cache})
+        model(ids[:, :24], use_cache=True, **{cache: step_cache})
+        block = model(ids[:, 24:], use_cache=True, **{cache: block_cache}).logits[0]
+        for row in range(6):
+            step = model(ids[:, 24 + row:25 + row], use_cache=True, **{cache: step_cache}).logits[0, 0]
+            assert torch.equal(block[row], step)
+    prompts = [[5, 17, 99, 3, 42, 8], list(range(20, 60))]
+    alone = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
+                                 do_sample=False, pad_token_id=0)
+        alone.append(out[0, len(prompt):].tolist())
+    cluster = Cluster(path, tiny_models["other"], k=3, target_linear="bf16dot")
+    try:
+        with cluster.client() as client:
+            for prompt, expected in zip(prompts, alone):
+                for pipeline in (False, True):
+                    result = client.generate(prompt_ids=prompt, max_tokens=40, pipeline=pipeline)
+                    assert result.token_ids == expected
+                    assert result.stats.drafted_tokens > result.stats.accepted_tokens  # blocks were cut short
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
