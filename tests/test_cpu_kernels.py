@@ -327,3 +327,15 @@ def test_bf16w_takes_only_bf16_valued_weights_and_keeps_greedy_output(tiny_model
     assert not any(type(m) in (torch.nn.Linear, cpu_kernels.Fp16Linear, cpu_kernels.PackedLinear)
                    for m in model.modules())  # bf16 weights, shapes that fit: all bf16w
     _assert_greedy_equals_reference(model, path)
+
+
+def test_bf16dot_says_why_it_cannot_run_on_a_cpu_without_the_bf16_dot_product(monkeypatch):
+    monkeypatch.setattr(bf16w, "cpu_features", lambda: {"avx512_bf16": False})
+    kernel = bf16w.CKernel("bf16dot-test", bf16w.DOT_KERNEL.source, bf16w._dot_flags, bf16w._dot_declare)
+    assert kernel.library() is None
+    assert "AVX512-BF16" in kernel.unavailable()
+    monkeypatch.setattr(bf16w, "DOT_KERNEL", kernel)
+    with pytest.raises(ValueError, match="bf16dot linear layers cannot run here: .*AVX512-BF16.*use --linear bf16w"):
+        cpu_kernels.resolve_linear("bf16dot", "cpu", "float32")
+    with pytest.raises(ValueError, match="need device cpu and dtype float32"):
+        cpu_kernels.resolve_linear("bf16dot", "cuda:0", "bfloat16")
