@@ -206,6 +206,19 @@ def test_baselines_include_every_kernel_that_may_decode_faster():
         cpu_kernels.baseline_configs("cuda:0", "bfloat16", extra=[("float32", "fp16")])
 
 
+def _assert_rows_alone_and_threads_change_nothing(layer, x, got) -> None:
+    """Each row bit for bit what it is alone (a verify's rows equal one-token
+    decoding's), at 1 to 9 rows (past the kernels' 8 a pass), and on two threads."""
+    for rows in (1, 4, 5, 6, 7, 8, 9):
+        assert torch.equal(layer(x[:rows]), got[:rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x.reshape(x.shape[0], 1, x.shape[1])).reshape(x.shape[0], -1), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
 @pytest.mark.parametrize("out_features,in_features,bias", [(80, 34, True), (128, 64, False), (16, 6, True)])
 def test_bf16w_layers_compute_the_float32_product_and_rows_do_not_depend_on_each_other(out_features, in_features,
@@ -222,14 +235,7 @@ def test_bf16w_layers_compute_the_float32_product_and_rows_do_not_depend_on_each
     assert got.shape == exact64.shape and got.dtype == torch.float32
     scale64 = exact64.abs().amax(dim=-1, keepdim=True) + 1e-30
     assert ((got.double() - exact64).abs() / scale64).max() < 1e-6
-    for rows in (1, 4, 5, 6, 7, 8, 9):  # each row bit for bit what it is alone: a verify's rows equal one-token decoding's
-        assert torch.equal(layer(x[:rows]), got[:rows])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(layer(x.reshape(13, 1, in_features)).reshape(13, -1), got)
-    finally:
-        torch.set_num_threads(threads)
+    _assert_rows_alone_and_threads_change_nothing(layer, x, got)
 
 
 @pytest.mark.skipif(bf16w.DOT_KERNEL.unavailable() is not None, reason=f"bf16dot: {bf16w.DOT_KERNEL.unavailable()}")
@@ -254,14 +260,7 @@ def test_bf16dot_layers_sum_the_bf16_products_in_order_and_rows_do_not_depend_on
     assert ((got.double() - exact64).abs() / scale64).max() < 1e-6  # float32 sums of the bf16 inputs' products
     unrounded64 = torch.nn.functional.linear(x.double(), linear.weight.double(), None)
     assert ((exact64 - unrounded64 - (0 if linear.bias is None else linear.bias.double())).abs() / scale64).max() > 1e-5
-    for rows in (1, 4, 5, 8, 9):  # a verify's rows equal one-token decoding's
-        assert torch.equal(layer(x[:rows]), got[:rows])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(layer(x.reshape(13, 1, in_features)).reshape(13, -1), got)
-    finally:
-        torch.set_num_threads(threads)
+    _assert_rows_alone_and_threads_change_nothing(layer, x, got)
 
 
 @pytest.mark.skipif(bf16w.DOT_KERNEL.unavailable() is not None, reason=f"bf16dot: {bf16w.DOT_KERNEL.unavailable()}")
