@@ -27,7 +27,10 @@ a float32 sum. It halves the multiply work of a block of tokens, so a verify
 costs little more than a one-token decode, and each output row is still
 summed the same way whatever the other rows; but the layer is no longer the
 float32 nn.Linear function (its inputs lose 16 bits), so the model's greedy
-output is its own, and Tandem's equals the target alone on the same kernel.
+output is its own, and Tandem's is compared with the target alone on the same
+kernel (tandem.modeling gives such models row-by-row attention, so that a
+verify's logits equal decoding's bit for bit; bench/RESULTS.md has a gap
+left on two threads).
 
 tandem.ckernel builds the C sources once per machine and loads them."""
 from __future__ import annotations
@@ -93,7 +96,7 @@ class Bf16wLinear(torch.nn.Module):
         lib = library()
         if lib is None:
             raise RuntimeError(f"the bf16w kernel is unavailable: {unavailable()}")
-        self._lib = lib
+        self._multiply = lib.tandem_bf16w_linear  # (x, packed W, y, M, N, K, threads)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().bfloat16().contiguous()  # [out, in]
         assert weight.ndim == 2, weight.shape
@@ -105,8 +108,8 @@ class Bf16wLinear(torch.nn.Module):
         assert x.shape[-1] == self.in_features, (x.shape, self.in_features)
         rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
         y = torch.empty(rows.shape[0], self.out_features)  # [M, out]
-        self._lib.tandem_bf16w_linear(rows.data_ptr(), self.packed.data_ptr(), y.data_ptr(), rows.shape[0],
-                                      self.out_features, self.in_features, torch.get_num_threads())
+        self._multiply(rows.data_ptr(), self.packed.data_ptr(), y.data_ptr(), rows.shape[0], self.out_features,
+                       self.in_features, torch.get_num_threads())
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -123,14 +126,4 @@ class Bf16dotLinear(Bf16wLinear):
         if dot is None:
             raise RuntimeError(f"the bf16dot kernel is unavailable: {DOT_KERNEL.unavailable()}")
         super().__init__(linear)
-        self._dot = dot
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
-        assert x.shape[-1] == self.in_features, (x.shape, self.in_features)
-        rows = x.reshape(-1, self.in_features).float().contiguous()  # [M, in]
-        y = torch.empty(rows.shape[0], self.out_features)  # [M, out]
-        self._dot.tandem_bf16dot_linear(rows.data_ptr(), self.packed.data_ptr(), y.data_ptr(), rows.shape[0],
-                                        self.out_features, self.in_features, torch.get_num_threads())
-        if self.bias is not None:
-            y += self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        self._multiply = dot.tandem_bf16dot_linear  # the same arguments; it rounds x to bf16 itself

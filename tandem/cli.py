@@ -65,9 +65,10 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                         "once with the system C compiler; CPUs with AVX-512 or AVX2), for layers whose weights are "
                         "bf16 values (others fp16); bf16dot = the same layers with their inputs rounded to bf16, "
                         "on the CPU's bf16 dot product (tandem/bf16dot.c; AVX512-BF16): a verify of a few tokens "
-                        "costs little more than one, but the output is no longer float32's; fp16 = FBGEMM on weights stored in fp16, float32 only, for "
-                        "layers whose weights convert exactly (others packed); packed = oneDNN with weights "
-                        "reordered at load, float32, or bfloat16 on CPUs with native bf16; native = nn.Linear; "
+                        "costs little more than one, but the output is no longer float32's; fp16 = FBGEMM on "
+                        "weights stored in fp16, float32 only, for layers whose weights convert exactly (others "
+                        "packed); packed = oneDNN with weights reordered at load, float32, or bfloat16 on CPUs with "
+                        "native bf16; native = nn.Linear; "
                         "auto = bf16w where it builds, else fp16 where it applies, else packed "
                         "where it applies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
