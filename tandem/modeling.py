@@ -240,6 +240,27 @@ class ModelRunner:
                          **{self._cache_kwarg: cache})
         return out.logits[0, -logits_to_keep:].float()
 
+    @property
+    def attends_row_by_row(self) -> bool:
+        return self.model.config._attn_implementation == ROW_BY_ROW
+
+    def forward_block(self, cache: DynamicCache, tokens: list[int], k: int) -> torch.Tensor:
+        """Appends tokens, whose last k are a draft block, to the cache; returns
+        [k + 1, vocab] float32 logits: after the token before the block, and
+        after each of the block's.
+
+        On a model that attends row by row, a block that comes after more than
+        one new token (a prompt, a re-sync) goes in a forward of its own, after
+        one of the tokens before it: the block's rows then give what one-token
+        decoding gives, bit for bit, and the tokens before it what a prefill of
+        them alone gives (the target alone's of a prompt). In one forward the
+        block's rows would be rows of a longer one, which attends as a whole."""
+        before = len(tokens) - k
+        if k and before > 1 and self.attends_row_by_row:
+            first = self.forward(cache, tokens[:before], logits_to_keep=1)  # [1, vocab]
+            return torch.cat([first, self.forward(cache, tokens[before:], logits_to_keep=k)])
+        return self.forward(cache, tokens, logits_to_keep=k + 1)
+
     @torch.inference_mode()
     def last_hidden(self, cache: DynamicCache, tokens: list[int]) -> torch.Tensor:
         """Appends tokens to the cache; returns the [hidden] state of the last one,

@@ -50,7 +50,7 @@ class Verifier:
         first_draft_pos = len(cache) + len(call.new_tokens)  # absolute position of draft token 0
         cache.append(call.new_tokens + call.draft_tokens)
         try:
-            logits = self.runner.forward(cache.kv, cache.unfed(), logits_to_keep=k + 1)  # [k+1, vocab]
+            logits = self.runner.forward_block(cache.kv, cache.unfed(), k)  # [k+1, vocab]
             cache.mark_fed()
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused

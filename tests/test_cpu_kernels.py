@@ -267,11 +267,13 @@ def test_bf16dot_layers_sum_the_bf16_products_in_order_and_rows_do_not_depend_on
 def test_bf16dot_model_is_its_own_reference_and_tandem_equals_it(tiny_models):
     """With --linear bf16dot the target is not float32's, so Tandem's greedy
     output is compared with the target alone on the same kernels, over real
-    gRPC, with a draft that is mostly rejected, sequential and pipelined.
-    The linear layers give a verify's rows bit for bit what decoding gives;
-    the attention over a block of queries may differ from one query's in the
-    last float32 bit, which a bf16 rounding can carry into a near-tie: on
-    the real pair 3 of 4 bench prompts were identical (bench/RESULTS.md)."""
+    gRPC, with a draft that is mostly rejected, sequential and pipelined,
+    and with a turn's first block verified beside its prompt or with it.
+    The linear layers give a verify's rows bit for bit what decoding gives,
+    and so does the attention, row by row; SDPA over a block of queries
+    differs from one query's in the last float32 bit, which a bf16 rounding
+    can carry into a near-tie: on the real pair 3 of 4 bench prompts were
+    identical before (bench/RESULTS.md)."""
     from tests.conftest import Cluster
 
     path = tiny_models["target"]
@@ -307,6 +309,36 @@ def test_bf16dot_model_is_its_own_reference_and_tandem_equals_it(tiny_models):
                     assert result.stats.drafted_tokens > result.stats.accepted_tokens  # blocks were cut short
     finally:
         cluster.stop()
+    cluster = Cluster(path, tiny_models["other"], k=3, target_linear="bf16dot", prefill_overlap=False)
+    try:  # a turn's first block verified with its prompt, in one call (--prefill-overlap off)
+        with cluster.client() as client:
+            for prompt, expected in zip(prompts, alone):
+                assert client.generate(prompt_ids=prompt, max_tokens=40).token_ids == expected
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
+def test_a_block_verified_with_its_prompt_gives_the_logits_of_decoding_it(tiny_models):
+    """A turn's first block can come in one call with its prompt (--prefill-overlap
+    off, or a re-sync). On a model that attends row by row, the block's logits
+    are still one-token decoding's, bit for bit, after the prompt's own prefill:
+    in one forward of 30 rows they would be SDPA's over the whole, whose last
+    float32 bits differ. float32 on bf16w, whose rows do not depend on each
+    other, carries such a bit into the logits, where bf16dot's rounding of each
+    layer's input would mostly hide it in a model this small."""
+    path = tiny_models["target"]
+    model = load_causal_lm(path, ModelConfig(path, dtype="float32", linear="bf16w"))
+    model.set_attn_implementation(modeling.ROW_BY_ROW)
+    runner = modeling.ModelRunner(modeling.LoadedModel(model, None, path, "", 128, 512, ()), "cpu")
+    assert runner.attends_row_by_row
+    tokens = [(11 * i) % 128 for i in range(30)]
+    logits = runner.forward_block(DynamicCache(), tokens, k=6)  # [7, vocab]: after the prompt, then each draft token
+    cache = DynamicCache()
+    steps = [runner.forward(cache, tokens[:24], logits_to_keep=1)[0]]  # the prompt's prefill, then decoding
+    steps += [runner.forward(cache, [token], logits_to_keep=1)[0] for token in tokens[24:29]]
+    for row, step in enumerate(steps):
+        assert torch.equal(logits[row], step), row
 
 
 @pytest.mark.skipif(bf16w.unavailable() is not None, reason=f"bf16w kernel: {bf16w.unavailable()}")
