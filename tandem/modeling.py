@@ -250,11 +250,12 @@ class ModelRunner:
         after each of the block's.
 
         On a model that attends row by row, a block that comes after more than
-        one new token (a prompt, a re-sync) goes in a forward of its own, after
-        one of the tokens before it: the block's rows then give what one-token
-        decoding gives, bit for bit, and the tokens before it what a prefill of
-        them alone gives (the target alone's of a prompt). In one forward the
-        block's rows would be rows of a longer one, which attends as a whole."""
+        one new token (a prompt, a re-sync) runs in a forward of its own, after
+        a forward of the tokens before it: the block's rows then give what
+        one-token decoding gives, bit for bit, and the tokens before it what a
+        prefill of them alone gives (the target alone's, for a prompt). In one
+        forward the block's rows would be rows of a longer block, which
+        attends as a whole (past ROW_BY_ROW_MAX rows)."""
         before = len(tokens) - k
         if k and before > 1 and self.attends_row_by_row:
             first = self.forward(cache, tokens[:before], logits_to_keep=1)  # [1, vocab]
