@@ -28,9 +28,9 @@ costs little more than a one-token decode, and each output row is still
 summed the same way whatever the other rows; but the layer is no longer the
 float32 nn.Linear function (its inputs lose 16 bits), so the model's greedy
 output is its own, and Tandem's is compared with the target alone on the same
-kernel (tandem.modeling gives such models row-by-row attention, so that a
-verify's logits equal decoding's bit for bit; bench/RESULTS.md has a gap
-left on two threads).
+kernel (tandem.modeling gives such models row-by-row attention, and the
+target verifies a block apart from a prompt before it, so that a verify's
+logits equal decoding's bit for bit).
 
 tandem.ckernel builds the C sources once per machine and loads them."""
 from __future__ import annotations
