@@ -12,7 +12,7 @@ from draft_service.lean import LEAN_STEP, lean_runner
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears
-from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
+from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load, load_identity
 from tandem.session_cache import NullKV, SessionCacheStore
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -103,7 +103,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if options.backend == "ngram":
             info = load_identity(model)
             store = SessionCacheStore(NullKV, budget, cache.session_ttl_s)
-            super().__init__(info, store, serving.ModelWorker("draft-ngram"))
+            super().__init__(info, store, serving.ModelWorker("draft-ngram", inline=model.inline_compute != "off"))
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
             return
         if options.quantize != "none" and model.device != "cpu":
@@ -119,6 +119,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                         "--quantize int8 (or auto) is faster")
         worker = serving.ModelWorker("draft-model")
         info, head = worker.start_up(_load_draft, model, options)
+        worker.inline = inline_compute(model.inline_compute, model.device)
         runner = lean_runner(info, model.device, options.lean_step)
         if runner is None:
             runner = ModelRunner(info, model.device)
@@ -168,7 +169,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                                      "tandem.bonus_guess": call.first_is_bonus_guess})
             cancelled = threading.Event()
             context.add_done_callback(lambda _: cancelled.set())
-            proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled)
+            proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled,
+                                              rows=len(call.new_tokens) + call.num_tokens - 1)
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:
                 telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)

@@ -73,6 +73,10 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                         "where it applies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches)")
+    p.add_argument("--inline-compute", default="auto", choices=["auto", "on", "off"],
+                   help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill) on the "
+                        "server's event loop when the model thread is idle, saving two thread hops a call; "
+                        "auto = on for a CPU model on one torch thread (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
     p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")
@@ -270,7 +274,7 @@ def _serve(args) -> None:
             draining = None
         else:
             model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-                                linear=args.linear)
+                                linear=args.linear, inline_compute=args.inline_compute)
             cache = CacheConfig(budget_mb=args.cache_mb, session_ttl_s=args.session_ttl)
             if args.role == "target":
                 from target_service.server import SERVICE_NAME as name, build_server

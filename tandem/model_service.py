@@ -28,6 +28,27 @@ class CacheConfig:
             raise ValueError("cache budget and TTL must be >= 0")
 
 
+# A call that computes at most this many token rows (new tokens plus draft
+# tokens, or the draft steps) is short: a few decode steps' time, which the
+# event loop may wait for (ModelWorker.inline). Prefills are not.
+INLINE_MAX_ROWS = 16
+
+
+def inline_compute(mode: str, device: str) -> bool:
+    """Whether a model service runs its short calls inline (ModelWorker):
+    "on", "off", or "auto": on for a CPU model on one torch thread. Call it
+    once the model is loaded (loading sets the threads).
+
+    On two pinned cores, one a service, inlining cut a call's time in the
+    services' handlers beyond their compute from 0.62 to 0.15 ms p50
+    (bench/RESULTS.md). With more threads it stays off: OpenMP would then
+    keep a second thread pool, the loop's, beside the worker's, and libgomp
+    cuts the spin of every idle thread once they outnumber the cores."""
+    if mode == "auto":
+        return device == "cpu" and torch.get_num_threads() == 1
+    return mode == "on"
+
+
 class InvalidRequest(ValueError):
     """Bad input: answered with INVALID_ARGUMENT."""
 
@@ -42,6 +63,8 @@ class ModelServiceBase:
         self.info = info
         self.store = store
         self.worker = worker  # the thread that built the model (ModelWorker.start_up) and runs it
+        log.info("%s: calls of up to %d token rows run %s", self.role, INLINE_MAX_ROWS,
+                 "on the event loop when the model thread is idle" if worker.inline else "on the model thread")
         self.prefill_tokens = 0
         self.calls = 0
         self.draining = asyncio.Event()  # set on SIGTERM: streams end once their calls are answered
@@ -90,14 +113,16 @@ class ModelServiceBase:
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
-    async def run_checked(self, context, fn, *args, cancelled=None):
-        """Runs fn on the model worker and maps failures to status codes."""
+    async def run_checked(self, context, fn, *args, cancelled=None, rows: int | None = None):
+        """Runs fn on the model worker and maps failures to status codes;
+        `rows`: the token rows the call computes (inline if few)."""
         from tandem.session_cache import CacheMiss
 
         self.calls += 1
         self._sweep_idle()
         try:
-            return await self.worker.run(fn, *args, cancelled=cancelled, span=f"tandem.{self.role}.compute")
+            return await self.worker.run(fn, *args, cancelled=cancelled, span=f"tandem.{self.role}.compute",
+                                         short=rows is not None and rows <= INLINE_MAX_ROWS)
         except CacheMiss as miss:
             await serving.abort_cache_miss(context, miss)
         except InvalidRequest as err:

@@ -53,6 +53,9 @@ def row_by_row_attention(module, query, key, value, attention_mask, **kwargs):
 AttentionInterface.register(ROW_BY_ROW, row_by_row_attention)
 
 
+INLINE_COMPUTE = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Where a model service's model comes from and where it runs."""
@@ -62,6 +65,7 @@ class ModelConfig:
     dtype: str = "auto"  # "auto": tandem.cpu_kernels.auto_dtype (bfloat16 on GPUs and on CPUs with AMX, else float32 on bf16w or fp16 weights)
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default on a CPU, 1 on a GPU (use_gpu_host_settings)
     linear: str = "auto"  # "native": nn.Linear; "packed": oneDNN float32, or bf16 with native bf16 (CPU); "fp16": FBGEMM on exact fp16 weights; "auto": the fastest that fits
+    inline_compute: str = "auto"  # short calls on the server's event loop: "on", "off", "auto" (tandem.serving.inline_compute)
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -73,6 +77,8 @@ class ModelConfig:
         if self.linear not in cpu_kernels.LINEAR_KERNELS:
             raise ValueError(f"linear must be one of {cpu_kernels.LINEAR_KERNELS}, got {self.linear!r}")
         cpu_kernels.resolve_linear(self.linear, self.device, self.resolved_dtype)  # raises on an impossible choice
+        if self.inline_compute not in INLINE_COMPUTE:
+            raise ValueError(f"inline_compute must be one of {INLINE_COMPUTE}, got {self.inline_compute!r}")
 
     @property
     def resolved_dtype(self) -> str:

@@ -125,22 +125,35 @@ class ModelWorker:
     of its own, and once its threads outnumber the cores it cuts every idle
     thread's spin to almost nothing: a model loaded on the main thread and run
     here made two torch threads spin-wait as if OMP_WAIT_POLICY were PASSIVE
-    (tandem.cli has the figures)."""
+    (tandem.cli has the figures).
 
-    def __init__(self, name: str):
+    With `inline` set (tandem.model_service.inline_compute), a short call that finds the worker
+    idle runs on the calling thread, the server's event loop, instead: it
+    skips the hop to the worker thread and the wake-up of the loop after it.
+    The loop waits meanwhile, which a short call allows."""
+
+    def __init__(self, name: str, inline: bool = False):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.inline = inline
         self.queue_depth = 0
+        self.inline_calls = 0
 
     def start_up(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the worker thread, waited for: loading the model before serving."""
         return self._executor.submit(fn, *args).result()
 
     async def run(self, fn: Callable[..., T], *args, cancelled: threading.Event | None = None,
-                  span: str | None = None) -> T:
-        """Runs fn(*args) on the worker thread; `span` names a span for it under
-        the current one while tracing."""
+                  span: str | None = None, short: bool = False) -> T:
+        """Runs fn(*args) on the worker thread, or inline if it is `short` and
+        the worker idle (see the class); `span` names a span for it under the
+        current one while tracing."""
         if span is not None:
             fn = telemetry.in_span(span, fn)
+        if short and self.inline and self.queue_depth == 0:
+            # Nothing is queued or running on the thread (queue_depth drops only
+            # once a call has returned), and nothing else runs on the loop meanwhile.
+            self.inline_calls += 1
+            return fn(*args)
         loop = asyncio.get_running_loop()
         job = self._executor.submit(fn, *args)
         # A call counts in queue_depth until its function has run, or was

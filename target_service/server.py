@@ -7,7 +7,7 @@ import time
 import torch
 
 from tandem import multiplex, serving, telemetry
-from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase
+from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
 from tandem.modeling import ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -24,6 +24,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig()):
         worker = serving.ModelWorker("target-model")
         info = worker.start_up(load, model)
+        worker.inline = inline_compute(model.inline_compute, model.device)
         runner = ModelRunner(info, model.device)
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
         super().__init__(info, store, worker)
@@ -81,7 +82,8 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             if span.is_recording():
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": len(call.draft_tokens)})
-            outcome = await self.run_checked(context, self.verifier.verify, call)
+            outcome = await self.run_checked(context, self.verifier.verify, call,
+                                             rows=len(call.new_tokens) + len(call.draft_tokens))
             self.prefill_tokens += outcome.prefilled
             if outcome.prefilled <= 1 and call.draft_tokens:  # as the orchestrator's verify_ms_p50
                 telemetry.instruments().verify_compute.record(outcome.compute_ms * 1e-3)

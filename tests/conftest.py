@@ -70,7 +70,8 @@ class Cluster:
     def __init__(self, target_dir: str, draft_dir: str, dtype: str = "float32", cache_mb: int = 0,
                  draft_options=None, k: int = 4, adaptive: bool = False, pipeline: bool = True,
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
-                 tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto"):
+                 tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
+                 inline_compute: str = "auto"):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -79,7 +80,8 @@ class Cluster:
                            draft_options=draft_options, k=k, adaptive=adaptive, pipeline=pipeline,
                            draft_fallback=draft_fallback, redis_url=redis_url,
                            max_concurrent_requests=max_concurrent_requests, tokenizer=tokenizer,
-                           prefill_overlap=prefill_overlap, target_linear=target_linear)
+                           prefill_overlap=prefill_overlap, target_linear=target_linear,
+                           inline_compute=inline_compute)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -94,10 +96,11 @@ class Cluster:
         p = self.params
         cache = CacheConfig(budget_mb=p["cache_mb"], session_ttl_s=0)
         target, target_port, _, self.target = build_target(
-            "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"], linear=p["target_linear"]),
-            cache)
+            "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"], linear=p["target_linear"],
+                                       inline_compute=p["inline_compute"]), cache)
         draft, draft_port, _, self.draft = build_draft(
-            "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"]), cache,
+            "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"],
+                                       inline_compute=p["inline_compute"]), cache,
             p["draft_options"] or DraftOptions())
         await target.start()
         await draft.start()

@@ -73,3 +73,22 @@ def test_pipelined_equals_sequential_with_adaptive_k(random_cluster, same_cluste
                     for pipeline in (False, True)
                 }
                 assert outputs[False] == outputs[True]
+
+
+@pytest.mark.parametrize("draft", ["target", "other"])
+def test_short_calls_run_inline_on_the_event_loop_and_stay_exact(tiny_models, draft):
+    """--inline-compute on: a call of up to 16 token rows that finds the model
+    thread idle runs on the server's event loop; a prefill of more stays on
+    the thread. Greedy output is the target alone's, pipelined or not."""
+    cluster = Cluster(tiny_models["target"], tiny_models[draft], adaptive=True, inline_compute="on")
+    try:
+        with cluster.client() as client:
+            for prompt in PROMPTS:
+                for pipeline in (False, True):
+                    result = client.generate(prompt_ids=prompt, max_tokens=40, pipeline=pipeline)
+                    assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 40)
+        for service in (cluster.target, cluster.draft):
+            # PROMPTS[2] (40 tokens) is prefilled on the model thread, the rest inline
+            assert service.worker.inline and 0 < service.worker.inline_calls < service.calls
+    finally:
+        cluster.stop()

@@ -7,6 +7,7 @@ import threading
 
 import grpc
 import pytest
+import torch
 
 from orchestrator.backends import DraftBlock, GrpcProposer, GrpcVerifier, Prefix, ServiceCacheMiss, ServiceUnavailable
 from tandem import fingerprint, multiplex, serving
@@ -131,6 +132,53 @@ def test_a_model_worker_builds_and_runs_on_one_thread():
         assert asyncio.run(run_on()) == built_on != threading.get_ident()
     finally:
         worker.shutdown()
+
+
+def test_an_inline_worker_runs_short_calls_on_the_loop_only_when_idle():
+    """ModelWorker(inline=True): a short call that finds the worker idle runs
+    on the caller's thread (the event loop); a long call, or a short one
+    queued behind a running call, runs on the worker's thread, in order."""
+    worker = serving.ModelWorker("test-inline", inline=True)
+    order = []
+
+    def note(name, wait: threading.Event | None = None):
+        if wait is not None:
+            wait.wait(5)
+        order.append(name)
+        return threading.get_ident()
+
+    async def run():
+        loop_thread = threading.get_ident()
+        assert await worker.run(note, "short", short=True) == loop_thread
+        assert await worker.run(note, "long") != loop_thread
+        release = threading.Event()
+        busy = asyncio.ensure_future(worker.run(note, "busy", release))
+        await asyncio.sleep(0)
+        queued = asyncio.ensure_future(worker.run(note, "queued", short=True))
+        await asyncio.sleep(0.05)
+        release.set()
+        assert await queued == await busy != loop_thread
+        return worker.inline_calls
+
+    try:
+        assert asyncio.run(run()) == 1
+        assert order == ["short", "long", "busy", "queued"]
+    finally:
+        worker.shutdown()
+
+
+def test_inline_compute_auto_is_on_for_one_cpu_thread_only():
+    from tandem.model_service import inline_compute
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert inline_compute("auto", "cpu") and not inline_compute("auto", "cuda:0")
+        assert not inline_compute("off", "cpu") and inline_compute("on", "cuda")
+        torch.set_num_threads(2)
+        assert not inline_compute("auto", "cpu") and inline_compute("on", "cpu")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_serve_calls_cancels_answers_and_drains():
