@@ -76,7 +76,7 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
     p.add_argument("--inline-compute", default="auto", choices=["auto", "on", "off"],
                    help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill) on the "
                         "server's event loop when the model thread is idle, saving two thread hops a call; "
-                        "auto = on for a CPU model on one torch thread (default: %(default)s)")
+                        "auto = on for a CPU model on one torch thread, and for the n-gram drafter (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
     p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")

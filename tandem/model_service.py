@@ -39,8 +39,9 @@ def inline_compute(mode: str, device: str) -> bool:
     "on", "off", or "auto": on for a CPU model on one torch thread. Call it
     once the model is loaded (loading sets the threads).
 
-    On two pinned cores, one a service, inlining cut a call's time in the
-    services' handlers beyond their compute from 0.62 to 0.15 ms p50
+    On two pinned cores, one a service, inlining cut the part of pipelined
+    rounds' overhead spent in the services' handlers beyond their compute
+    from 0.62-0.64 to 0.16-0.17 ms p50, and the overhead by 0.43-0.47 ms
     (bench/RESULTS.md). With more threads it stays off: OpenMP would then
     keep a second thread pool, the loop's, beside the worker's, and libgomp
     cuts the spin of every idle thread once they outnumber the cores."""

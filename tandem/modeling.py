@@ -65,7 +65,7 @@ class ModelConfig:
     dtype: str = "auto"  # "auto": tandem.cpu_kernels.auto_dtype (bfloat16 on GPUs and on CPUs with AMX, else float32 on bf16w or fp16 weights)
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default on a CPU, 1 on a GPU (use_gpu_host_settings)
     linear: str = "auto"  # "native": nn.Linear; "packed": oneDNN float32, or bf16 with native bf16 (CPU); "fp16": FBGEMM on exact fp16 weights; "auto": the fastest that fits
-    inline_compute: str = "auto"  # short calls on the server's event loop: "on", "off", "auto" (tandem.serving.inline_compute)
+    inline_compute: str = "auto"  # short calls on the server's event loop: "on", "off", "auto" (tandem.model_service.inline_compute)
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -127,10 +127,10 @@ class ModelWorker:
     here made two torch threads spin-wait as if OMP_WAIT_POLICY were PASSIVE
     (tandem.cli has the figures).
 
-    With `inline` set (tandem.model_service.inline_compute), a short call that finds the worker
-    idle runs on the calling thread, the server's event loop, instead: it
-    skips the hop to the worker thread and the wake-up of the loop after it.
-    The loop waits meanwhile, which a short call allows."""
+    With `inline` set (tandem.model_service.inline_compute), a short call
+    that finds the worker idle runs on the calling thread, the server's event
+    loop, instead: it skips the hop to the worker thread and the wake-up of
+    the loop after it. The loop waits meanwhile, which a short call allows."""
 
     def __init__(self, name: str, inline: bool = False):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
