@@ -169,8 +169,12 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                                      "tandem.bonus_guess": call.first_is_bonus_guess})
             cancelled = threading.Event()
             context.add_done_callback(lambda _: cancelled.set())
+            # A pre-draft (it starts with a bonus guess) runs beside the verify, off
+            # the critical path, and stays on the model thread, where a cancel
+            # stops it between steps; a draft the orchestrator waits for may run inline.
+            rows = None if call.first_is_bonus_guess else len(call.new_tokens) + call.num_tokens - 1
             proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled,
-                                              rows=len(call.new_tokens) + call.num_tokens - 1)
+                                              rows=rows)
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:
                 telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)
