@@ -74,7 +74,7 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches)")
     p.add_argument("--inline-compute", default="auto", choices=["auto", "on", "off"],
-                   help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill) on the "
+                   help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill or a pre-draft) on the "
                         "server's event loop when the model thread is idle, saving two thread hops a call; "
                         "auto = on for a CPU model on one torch thread, and for the n-gram drafter (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
