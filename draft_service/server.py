@@ -103,7 +103,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if options.backend == "ngram":
             info = load_identity(model)
             store = SessionCacheStore(NullKV, budget, cache.session_ttl_s)
-            super().__init__(info, store, serving.ModelWorker("draft-ngram", inline=model.inline_compute != "off"))
+            inline = inline_compute(model.inline_compute, model.device, torch_compute=False)
+            super().__init__(info, store, serving.ModelWorker("draft-ngram", inline=inline))
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
             return
         if options.quantize != "none" and model.device != "cpu":

@@ -34,10 +34,11 @@ class CacheConfig:
 INLINE_MAX_ROWS = 16
 
 
-def inline_compute(mode: str, device: str) -> bool:
+def inline_compute(mode: str, device: str, torch_compute: bool = True) -> bool:
     """Whether a model service runs its short calls inline (ModelWorker):
-    "on", "off", or "auto": on for a CPU model on one torch thread. Call it
-    once the model is loaded (loading sets the threads).
+    "on", "off", or "auto": on for a CPU model on one torch thread, and for a
+    service whose calls run no torch work (the n-gram drafter). Call it once
+    the model is loaded (loading sets the threads).
 
     On two pinned cores, one a service, inlining cut the part of pipelined
     rounds' overhead spent in the services' handlers beyond their compute
@@ -46,7 +47,7 @@ def inline_compute(mode: str, device: str) -> bool:
     keep a second thread pool, the loop's, beside the worker's, and libgomp
     cuts the spin of every idle thread once they outnumber the cores."""
     if mode == "auto":
-        return device == "cpu" and torch.get_num_threads() == 1
+        return not torch_compute or (device == "cpu" and torch.get_num_threads() == 1)
     return mode == "on"
 
 

@@ -177,6 +177,8 @@ def test_inline_compute_auto_is_on_for_one_cpu_thread_only():
         assert not inline_compute("off", "cpu") and inline_compute("on", "cuda")
         torch.set_num_threads(2)
         assert not inline_compute("auto", "cpu") and inline_compute("on", "cpu")
+        assert inline_compute("auto", "cuda", torch_compute=False)  # the n-gram drafter
+        assert not inline_compute("off", "cpu", torch_compute=False)
     finally:
         torch.set_num_threads(threads)
 
