@@ -15,12 +15,15 @@
 #include <omp.h>
 
 /* How far ahead of its loads a pass prefetches the weights, by the rows of x it
-   takes. A pass over more rows spends longer on each line and must ask for the
-   next ones sooner. All the default target's linear layers, one pinned thread,
-   a 2-core Zen 5 VM (2026-11-29; 1 / 2 / 4 / 6 rows): the AVX-512 build 2 KB
-   ahead 78.4 / 84.0 / 89.2 / 99.2 ms, 4 KB ahead 78.7 / 78.7 / 81.8 / 88.2,
-   8 KB ahead 79.8 / 81.0 / 80.8 / 81.2; the AVX2 build 2 KB ahead 102.7 / - /
-   154.1 / 227.1, 8 KB ahead 90.8 / - / 107.6 / 214.7 (16 and 32 KB: no better). */
+   takes: a pass over more rows spends longer on each line, so it must ask for
+   the next ones sooner. All the default target's linear layers, one pinned
+   thread, a 2-core Zen 5 VM, medians of 5 (2026-11-29; bench/RESULTS.md):
+   1 / 2 / 3 / 4 / 5 / 6 rows 80.2 / 82.3 / 86.0 / 89.3 / 95.8 / 99.6 ms 2 KB ahead
+   (until then), 77.8 / 78.2 / 80.0 / 80.0 / 81.0 / 82.0 ms as below. 8 KB ahead
+   for all cost one row 1-2 ms (7 once, the other core streaming memory); 4 KB
+   ahead for all cost six rows 7-11 ms. The AVX2 build, on the same
+   VM: 1 / 4 / 6 rows 102.7 / 154.1 / 227.1 ms 2 KB ahead, 90.8 / 107.6 / 214.7
+   8 KB ahead; 16 and 32 KB ahead were no faster than 8 in either build. */
 #ifdef __AVX512F__
 #define PREFETCH_BYTES(M) ((M) <= 3 ? 4096 : 8192)
 #else

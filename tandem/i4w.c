@@ -35,8 +35,9 @@
 #define UNIT 320 /* bytes of one group of one unit of columns */
 /* Both builds prefetch the weights this many groups ahead. The AVX-512 build had
    none until 2026-11-29: all of the default draft's layers and its 32k head, one
-   pinned thread, a 2-core Zen 5 VM, 1 / 2 / 3 / 4 rows 7.6 / 8.1 / 8.8 / 8.6 ms
-   with it against 7.7 / 8.7 / 9.8 / 10.1 without (2, 8 and 16 groups: no better). */
+   pinned thread, a 2-core Zen 5 VM, medians of 15, 1 / 2 / 3 / 4 rows 7.57 / 8.10 /
+   8.75 / 8.64 ms with it against 7.70 / 8.65 / 9.77 / 10.08 without (2, 8 and 16
+   groups ahead: no faster than 4). */
 #define PREFETCH_GROUPS 4
 
 /* Four activation bytes as one int32 (memcpy: one load, no aliasing). */
