@@ -56,6 +56,7 @@ class Decoder:
         self.breaker = breaker if breaker is not None else DraftBreaker(enabled=False)
         self.prefill_overlap = prefill_overlap
         self.stats = RoundStats()
+        self._unlearned: tuple[int, int, float, float] | None = None  # a committed round the policy has not seen
 
     # --- service calls, with re-sync on cache miss ------------------------------
     def _pending(self, view: ServiceView) -> int:
@@ -207,8 +208,17 @@ class Decoder:
             self.stats.verify_ms.append(verify_ms)
         if block.step_ms:
             self.stats.draft_step_ms.append(block.step_ms)
-        self.policy.observe(len(block.tokens), result.accepted, block.step_ms, verify_ms)
+        self._unlearned = (len(block.tokens), result.accepted, block.step_ms, verify_ms)
         return newly
+
+    def _learn(self) -> None:
+        """The policy takes in the last committed round once the next round's
+        calls are out, so that its choice (pipelined, 64 pairs of draft lengths
+        rated: about 0.09 ms hot) is off the critical path. The calls just
+        launched took the lengths chosen a round before."""
+        if self._unlearned is not None:
+            self.policy.observe(*self._unlearned)
+            self._unlearned = None
 
     def _launch(self, block: DraftBlock, round_span) -> tuple[asyncio.Task, asyncio.Task | None]:
         """Starts verifying `block` and, when pipelining, pre-drafting the next one."""
@@ -282,6 +292,7 @@ class Decoder:
                     prefetch = asyncio.create_task(self._draft(self.policy.k, span))
                     tasks = [prefetch, dropped]
                 await asyncio.sleep(0)  # the calls go out before the caller's work
+                self._learn()
                 if dropped is not None:
                     await _cancel(dropped)
                 handover_start = time.perf_counter()

@@ -290,3 +290,48 @@ async def test_history_drafters_pre_draft_what_they_would_draft_fresh(tiny_model
             out, _ = await _decode(InProcessProposer(drafter), verifier, prompt, 32, pipeline, k=1, sampling=sampling)
             outputs.append(out)
         assert outputs[0] == outputs[1], seed
+
+
+class CountingPolicy(KPolicy):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.observed = 0
+
+    def observe(self, *args):
+        self.observed += 1
+        super().observe(*args)
+
+
+class WatchingVerifier:
+    """Notes, at each verify, how many rounds were committed and how many the policy had taken in."""
+
+    def __init__(self, inner, decoder_box: list):
+        self.inner, self.decoder_box, self.seen = inner, decoder_box, []
+
+    async def verify(self, session_id, prefix, new_tokens, block, sampling):
+        decoder = self.decoder_box[0]
+        self.seen.append((decoder.stats.rounds, decoder.policy.observed))
+        return await self.inner.verify(session_id, prefix, new_tokens, block, sampling)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_the_policy_learns_each_round_after_the_next_calls_are_out(tiny_models, pipeline):
+    """A round's observation reaches the adaptive policy once the next round's
+    calls are out (its choice is off the critical path), and before the
+    round's tokens are handed over: none is lost or taken twice."""
+    proposer, inner = _services(tiny_models["target"])
+    box = []
+    verifier = WatchingVerifier(inner, box)
+    decoder = Decoder(proposer, verifier, f"learn-{pipeline}", Committed([4, 8, 15, 16]), ServiceView(0),
+                      ServiceView(0), SamplingParams(), CountingPolicy(KPolicyConfig(k=3), pipeline), pipeline)
+    box.append(decoder)
+    rounds, handed = decoder.rounds(), 0
+    async for _ in rounds:
+        handed += 1
+        assert decoder.policy.observed == decoder.stats.rounds == handed
+        if handed == 8:
+            break
+    await rounds.aclose()
+    assert all(observed <= committed for committed, observed in verifier.seen)
+    if pipeline:  # draft = target: every block after the first two was pre-drafted, its verify out before the learning
+        assert [committed - observed for committed, observed in verifier.seen[2:]] == [1] * (len(verifier.seen) - 2)
