@@ -305,12 +305,11 @@ class CountingPolicy(KPolicy):
 class WatchingVerifier:
     """Notes, at each verify, how many rounds were committed and how many the policy had taken in."""
 
-    def __init__(self, inner, decoder_box: list):
-        self.inner, self.decoder_box, self.seen = inner, decoder_box, []
+    def __init__(self, inner):
+        self.inner, self.decoder, self.seen = inner, None, []
 
     async def verify(self, session_id, prefix, new_tokens, block, sampling):
-        decoder = self.decoder_box[0]
-        self.seen.append((decoder.stats.rounds, decoder.policy.observed))
+        self.seen.append((self.decoder.stats.rounds, self.decoder.policy.observed))
         return await self.inner.verify(session_id, prefix, new_tokens, block, sampling)
 
 
@@ -320,11 +319,10 @@ async def test_the_policy_learns_each_round_after_the_next_calls_are_out(tiny_mo
     calls are out (its choice is off the critical path), and before the
     round's tokens are handed over: none is lost or taken twice."""
     proposer, inner = _services(tiny_models["target"])
-    box = []
-    verifier = WatchingVerifier(inner, box)
+    verifier = WatchingVerifier(inner)
     decoder = Decoder(proposer, verifier, f"learn-{pipeline}", Committed([4, 8, 15, 16]), ServiceView(0),
                       ServiceView(0), SamplingParams(), CountingPolicy(KPolicyConfig(k=3), pipeline), pipeline)
-    box.append(decoder)
+    verifier.decoder = decoder
     rounds, handed = decoder.rounds(), 0
     async for _ in rounds:
         handed += 1
