@@ -9,10 +9,11 @@ from dataclasses import dataclass, replace
 from draft_service.cheap import (INT4_KERNELS, QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel,
                                  quantize_int4, quantize_int8)
 from draft_service.lean import LEAN_STEP, lean_runner
-from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, ProposeCall
+from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, Proposal, ProposeCall
+from draft_service.prepared import Prepared, skip_held
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears
-from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
+from tandem.model_service import INLINE_MAX_ROWS, CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load, load_identity
 from tandem.session_cache import NullKV, SessionCacheStore
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -106,6 +107,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             inline = inline_compute(model.inline_compute, model.device, torch_compute=False)
             super().__init__(info, store, serving.ModelWorker("draft-ngram", inline=inline))
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
+            self.prepared = Prepared(store, self._run_prepared)
             return
         if options.quantize != "none" and model.device != "cpu":
             kernel = "fbgemm" if options.quantize == "int8" else "CPU int4 kernels"
@@ -132,6 +134,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             self.drafter = NgramModelDrafter(runner, store, head, options.ngram_max, options.min_confidence)
         else:
             self.drafter = ModelDrafter(runner, store, head, options.min_confidence)
+        self.prepared = Prepared(store, self._run_prepared)
 
     def _call(self, request) -> ProposeCall:
         self.check_session(request)
@@ -160,6 +163,44 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                                                   self.draining):
             yield result
 
+    @staticmethod
+    def _rows(call: ProposeCall) -> int | None:
+        """The token rows a call computes, for the inline rule: None for a
+        pre-draft (it starts with a bonus guess), which runs beside the verify,
+        off the critical path, and stays on the model thread, where a cancel
+        stops it between steps; a draft the orchestrator waits for may run inline."""
+        return None if call.first_is_bonus_guess else len(call.new_tokens) + call.num_tokens - 1
+
+    def _propose_prepared(self, call: ProposeCall, cancelled: threading.Event) -> Proposal | None:
+        held = skip_held(self.store, call)
+        return None if held is None else self.drafter.propose(held, cancelled)
+
+    async def _run_prepared(self, call: ProposeCall, cancelled: threading.Event) -> Proposal | None:
+        """A Prepare's drafting, on the model worker like a Propose call's."""
+        rows = self._rows(call)
+        return await self.worker.run(self._propose_prepared, call, cancelled, cancelled=cancelled,
+                                     span=f"tandem.{self.role}.compute", short=rows is not None and rows <= INLINE_MAX_ROWS)
+
+    async def Prepare(self, requests, context):
+        """Propose requests sent by the target on its verdicts (draft_service.prepared)."""
+        received = self.prepared.received
+        async for request in requests:
+            try:
+                call = self._call(request)
+            except InvalidRequest as err:
+                log.debug("prepare ignored: %s", err)
+                continue
+            self.prepared.begin(call)
+        return draft_pb2.PrepareSummary(received=self.prepared.received - received)
+
+    async def ReleaseSession(self, request, context):
+        self.prepared.release(request.session_id)
+        return await super().ReleaseSession(request, context)
+
+    def counts(self) -> dict[str, int]:
+        return dict(super().counts(), prepared=self.prepared.received, prepared_started=self.prepared.started,
+                    prepared_used=self.prepared.used)
+
     async def Propose(self, request, context):
         started = time.perf_counter()
         with telemetry.server_span(f"{SERVICE_NAME}/Propose", context) as span:
@@ -168,20 +209,22 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": call.num_tokens,
                                      "tandem.bonus_guess": call.first_is_bonus_guess})
-            cancelled = threading.Event()
-            context.add_done_callback(lambda _: cancelled.set())
-            # A pre-draft (it starts with a bonus guess) runs beside the verify, off
-            # the critical path, and stays on the model thread, where a cancel
-            # stops it between steps; a draft the orchestrator waits for may run inline.
-            rows = None if call.first_is_bonus_guess else len(call.new_tokens) + call.num_tokens - 1
-            proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled,
-                                              rows=rows)
+            taken = await self.prepared.take(call)
+            if taken is not None:
+                self.calls += 1
+                proposal = taken.proposal
+            else:
+                cancelled = threading.Event()
+                context.add_done_callback(lambda _: cancelled.set())
+                proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled,
+                                                  rows=self._rows(call))
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:
                 telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)
             if span.is_recording():
                 span.set_attributes({"tandem.drafted": len(proposal.tokens), "tandem.prefilled": proposal.prefilled,
-                                     "tandem.cropped": proposal.cropped, "tandem.compute_ms": proposal.compute_ms})
+                                     "tandem.cropped": proposal.cropped, "tandem.compute_ms": proposal.compute_ms,
+                                     "tandem.prepared": taken is not None})
             return draft_pb2.ProposeReply(
                 tokens=proposal.tokens,
                 token_probs=proposal.token_probs,
@@ -190,7 +233,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 cropped_tokens=proposal.cropped,
                 compute_ms=proposal.compute_ms,
                 step_ms=proposal.step_ms,
-                handler_ms=(time.perf_counter() - started) * 1e3,
+                handler_ms=taken.handler_ms if taken is not None else (time.perf_counter() - started) * 1e3,
+                prepared=taken is not None,
             )
 
 

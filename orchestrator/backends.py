@@ -38,6 +38,7 @@ class DraftBlock:
     step_ms: float = 0.0
     handler_ms: float = 0.0  # in the service's handler, compute included (0: not reported)
     latency_ms: float = 0.0  # as seen by the orchestrator
+    prepared: bool = False  # the target's relay began its drafting (DraftService.Prepare)
 
     def drop_first(self) -> "DraftBlock":
         """The block after its first token (the pre-drafted bonus guess)."""
@@ -75,8 +76,11 @@ class Proposer(Protocol):
 class Verifier(Protocol):
     async def verify(
         self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
-        sampling: SamplingParams,
-    ) -> VerifyResult: ...
+        sampling: SamplingParams, relay_k: int = 0,
+    ) -> VerifyResult:
+        """relay_k > 0, passed only to a verifier whose `relays` attribute is
+        true (absent: false): the target also sends the draft the call that
+        drafts relay_k tokens after the verdict (target_service.relay)."""
 
     async def release(self, session_id: str) -> None: ...
 
@@ -168,15 +172,22 @@ class GrpcProposer(_GrpcClient):
             step_ms=reply.step_ms,
             handler_ms=reply.handler_ms,
             latency_ms=(time.perf_counter() - start) * 1e3,
+            prepared=reply.prepared,
         )
 
 
 class GrpcVerifier(_GrpcClient):
-    def __init__(self, address: str, timeout_s: float = 120.0, transport: str = "stream"):
+    """relay_to: the draft service's address as the target reaches it, where
+    verifies ask the target to relay its verdict (target_service.relay); ""
+    for none."""
+
+    def __init__(self, address: str, timeout_s: float = 120.0, transport: str = "stream", relay_to: str = ""):
         super().__init__(address, target_pb2_grpc.TargetServiceStub, timeout_s, transport, "Verify",
                          target_pb2.VerifyCall)
+        self.relay_to = relay_to
+        self.relays = bool(relay_to)
 
-    async def verify(self, session_id, prefix, new_tokens, block, sampling):
+    async def verify(self, session_id, prefix, new_tokens, block, sampling, relay_k=0):
         request = target_pb2.VerifyRequest(
             session_id=session_id,
             prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
@@ -186,6 +197,10 @@ class GrpcVerifier(_GrpcClient):
             draft_distributions=block.distributions,
             sampling=sampling_to_proto(sampling),
         )
+        if relay_k and self.relay_to:
+            request.relay.draft_address = self.relay_to
+            request.relay.num_tokens = relay_k
+            request.relay.return_distributions = not sampling.greedy
         start = time.perf_counter()
         reply = await self._call(request)
         return VerifyResult(

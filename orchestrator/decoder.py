@@ -57,6 +57,11 @@ class Decoder:
         self.prefill_overlap = prefill_overlap
         self.stats = RoundStats()
         self._unlearned: tuple[int, int, float, float] | None = None  # a committed round the policy has not seen
+        # The target relays each verdict's next draft call to the draft
+        # (target_service.relay): relay_k is the length it asked for, for the
+        # verify in flight, and the draft after that verify drafts it.
+        self.relays = getattr(verifier, "relays", False)
+        self.relay_k = 0
 
     # --- service calls, with re-sync on cache miss ------------------------------
     def _pending(self, view: ServiceView) -> int:
@@ -108,10 +113,12 @@ class Decoder:
         self.draft_view.tail = block.tokens[:-1]
         return block
 
-    async def _verify(self, block: DraftBlock, round_span=telemetry.NO_SPAN) -> VerifyResult:
+    async def _verify(self, block: DraftBlock, round_span=telemetry.NO_SPAN, relay_k: int = 0) -> VerifyResult:
+        relay = {"relay_k": relay_k} if relay_k else {}
         with telemetry.child_span("tandem.verify", round_span, telemetry.SpanKind.CLIENT) as span:
             result = await self._resynced(self.target_view, span, lambda base: self.verifier.verify(
-                self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block, self.sampling))
+                self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block, self.sampling,
+                **relay))
             if span.is_recording():
                 span.set_attributes({"tandem.k": len(block.tokens), "tandem.accepted": result.accepted,
                                      "tandem.prefilled": result.prefilled, "tandem.compute_ms": result.compute_ms})
@@ -221,8 +228,14 @@ class Decoder:
             self._unlearned = None
 
     def _launch(self, block: DraftBlock, round_span) -> tuple[asyncio.Task, asyncio.Task | None]:
-        """Starts verifying `block` and, when pipelining, pre-drafting the next one."""
-        verify = asyncio.create_task(self._verify(block, round_span))
+        """Starts verifying `block` and, when pipelining, pre-drafting the next one.
+        With the relay, the verify asks the target to start the draft after its
+        verdict: the length the draft would get if asked now, within the room
+        left should the whole block and the bonus token be committed."""
+        self.relay_k = 0
+        if self.relays and block.tokens and self.breaker.allows():
+            self.relay_k = self._room(self.policy.k, ahead=len(block.tokens) + 1)
+        verify = asyncio.create_task(self._verify(block, round_span, self.relay_k))
         pre = None
         ahead = self._room(self.policy.k_ahead, ahead=len(block.tokens) + 1)
         if self.pipeline and block.tokens and ahead and self.breaker.allows():
@@ -289,7 +302,8 @@ class Decoder:
                     tasks = [verify_task, pre_task]
                     launched = self._launched(launched, waited_ms, in_services_ms, result, verified_k, PREDRAFTED)
                 else:
-                    prefetch = asyncio.create_task(self._draft(self.policy.k, span))
+                    # With the relay, the draft the target began on its verdict.
+                    prefetch = asyncio.create_task(self._draft(self.relay_k or self.policy.k, span))
                     tasks = [prefetch, dropped]
                 await asyncio.sleep(0)  # the calls go out before the caller's work
                 self._learn()
@@ -305,6 +319,7 @@ class Decoder:
                     # caller's work beside it is not.
                     waited_ms += block.compute_ms
                     in_services_ms += _in_handler(block)
+                    self.stats.relayed_drafts += block.prepared
                     verify_task, pre_task = self._launch(block, span)
                     tasks = [verify_task, pre_task]
                     launched = self._launched(launched, waited_ms, in_services_ms, result, verified_k, DRAFTED_AFTER)

@@ -199,6 +199,7 @@ class Generation:
                 predraft_hits=stats.predraft_hits,
                 predraft_attempts=stats.predraft_attempts,
                 undrafted_rounds=stats.undrafted_rounds,
+                relayed_drafts=stats.relayed_drafts,
                 seed=params.sampling.seed,
                 total_ms=(time.perf_counter() - started) * 1e3,
                 first_token_ms=first_token_ms,

@@ -25,6 +25,7 @@ class RoundStats:
     predraft_hits: int = 0
     predraft_attempts: int = 0
     undrafted_rounds: int = 0  # rounds on the target alone: the draft service was unavailable
+    relayed_drafts: int = 0  # blocks drafted after a verify whose drafting the target's relay began
     overhead_ms: list[float] = field(default_factory=list)
     overhead_predrafted_ms: list[float] = field(default_factory=list)  # the next block was pre-drafted
     overhead_drafted_after_ms: list[float] = field(default_factory=list)  # it was drafted after the reply

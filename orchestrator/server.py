@@ -46,6 +46,11 @@ class OrchestratorConfig:
     service_transport: str = "stream"  # model calls on one stream per service, or "unary" rpcs
     draft_fallback: bool = True  # while the draft service is down, decode on the target alone
     max_concurrent_requests: int = 128  # Generate and Chat streams at once; more get RESOURCE_EXHAUSTED; 0 = no limit
+    # Verifies ask the target to send its verdict's next draft call straight to
+    # the draft service (target_service.relay), at relay_address, the draft's
+    # address as the target reaches it ("" = draft_address).
+    relay: bool = True
+    relay_address: str = ""
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
@@ -66,7 +71,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
     def __init__(self, config: OrchestratorConfig):
         self.config = config
         self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s, config.service_transport)
-        self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s, config.service_transport)
+        self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s, config.service_transport,
+                                     relay_to=(config.relay_address or config.draft_address) if config.relay else "")
         self.store = SessionStore(config.redis_url, config.session_ttl_s)
         self.tokenizer = None
         self.template = ChatTemplate(None)
@@ -324,6 +330,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             pipeline=(self.generation.pipeline_choice.preferred() if self.config.pipeline is None
                       else self.config.pipeline),
             pipeline_auto=self.config.pipeline is None,
+            relay=self.config.relay,
             has_tokenizer=self.tokenizer is not None,
             prefill_overlap=self.generation.prefill_overlap(),
         )

@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "draft prefills and drafts first, then the target verifies its block with the prompt; "
                            "auto: on, unless the services run on one machine's CPUs with more torch threads than "
                            "CPUs between them (a seeded sampled request: on) (default: %(default)s)")
+    orch.add_argument("--relay", choices=["on", "off"], default="on",
+                      help="each verify asks the target to send the draft the call that drafts the next block "
+                           "the moment its verdict is known, so that after a rejection the draft starts one hop "
+                           "and the orchestrator's work earlier; the target dials the draft at --relay-address "
+                           "(default: %(default)s)")
+    orch.add_argument("--relay-address", default="",
+                      help="the draft service's address as the target reaches it (default: --draft)")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",
                       help="model calls on one long-lived stream per service, or one rpc each (default: %(default)s)")
     orch.add_argument("--service-timeout", type=float, default=120.0,
@@ -253,6 +260,8 @@ def _serve(args) -> None:
         logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
         print(f"READY {args.role} {args.host}:{port}", flush=True)
         await serving.run_until_signalled(server, health, [name], draining=draining)
+        if args.role == "target":
+            await servicer.relay.close()
 
     async def build():
         if args.role == "orchestrator":
@@ -267,6 +276,7 @@ def _serve(args) -> None:
                 default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
+                relay=args.relay == "on", relay_address=args.relay_address,
             )
             server, port, health, servicer = build_server(address, config)
             await servicer.connect(wait_s=args.wait)

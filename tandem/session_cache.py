@@ -161,6 +161,10 @@ class SessionCacheStore:
         cache.last_used = time.monotonic()
         return cache, cache.crop(prefix_len)
 
+    def peek(self, session_id: str) -> SessionCache | None:
+        """The session's cache as it is: no crop, no recency, no counting."""
+        return self._sessions.get(session_id)
+
     def release(self, session_id: str) -> bool:
         self._total -= self._bytes.pop(session_id, 0)
         return self._sessions.pop(session_id, None) is not None

@@ -12,6 +12,7 @@ from tandem.modeling import ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import decode_distribution, sampling_from_proto
+from target_service.relay import Relay, next_request
 from target_service.verifier import Verifier, VerifyCall
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
         super().__init__(info, store, worker)
         self.verifier = Verifier(runner, store)
+        self.relay = Relay()
 
     def _call(self, request) -> VerifyCall:
         self.check_session(request)
@@ -85,6 +87,9 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             outcome = await self.run_checked(context, self.verifier.verify, call,
                                              rows=len(call.new_tokens) + len(call.draft_tokens))
             self.prefill_tokens += outcome.prefilled
+            if call.draft_tokens and request.relay.draft_address and request.relay.num_tokens:
+                self.relay.send(request.relay.draft_address, next_request(request, outcome.accepted,
+                                                                          outcome.next_token))
             if outcome.prefilled <= 1 and call.draft_tokens:  # as the orchestrator's verify_ms_p50
                 telemetry.instruments().verify_compute.record(outcome.compute_ms * 1e-3)
             if span.is_recording():

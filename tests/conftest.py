@@ -71,7 +71,7 @@ class Cluster:
                  draft_options=None, k: int = 4, adaptive: bool = False, pipeline: bool = True,
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
-                 inline_compute: str = "auto"):
+                 inline_compute: str = "auto", relay: bool = True, relay_address: str = ""):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -81,7 +81,7 @@ class Cluster:
                            draft_fallback=draft_fallback, redis_url=redis_url,
                            max_concurrent_requests=max_concurrent_requests, tokenizer=tokenizer,
                            prefill_overlap=prefill_overlap, target_linear=target_linear,
-                           inline_compute=inline_compute)
+                           inline_compute=inline_compute, relay=relay, relay_address=relay_address)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -111,7 +111,8 @@ class Cluster:
             draft_address=self.draft_address, target_address=self.target_address, redis_url=p["redis_url"],
             policy=KPolicyConfig(k=p["k"], k_min=1, k_max=8, adaptive=p["adaptive"]), pipeline=p["pipeline"],
             draft_fallback=p["draft_fallback"], max_concurrent_requests=p["max_concurrent_requests"],
-            tokenizer=p["tokenizer"], prefill_overlap=p["prefill_overlap"],
+            tokenizer=p["tokenizer"], prefill_overlap=p["prefill_overlap"], relay=p["relay"],
+            relay_address=p["relay_address"],
         )
         orch, orch_port, _, self.orchestrator = build_orch("127.0.0.1:0", config)
         await orch.start()
@@ -125,6 +126,7 @@ class Cluster:
 
     def stop(self):
         async def stop_all():
+            await self.target.relay.close()
             for server in self.servers:
                 await server.stop(0)
             await self.orchestrator.close()

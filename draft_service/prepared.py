@@ -1,0 +1,160 @@
+"""Drafts begun on the target's verdict (DraftService.Prepare; the relay).
+
+After a verify that rejected a draft token (or whose bonus token was not the
+pre-draft's guess), the orchestrator asks the draft for the block after the
+verdict: two hops and the orchestrator's own work sit between the verify's
+end and the draft's first step. With the relay, the target sends that same
+Propose request to the draft the moment it has the verdict
+(target_service.relay), and the draft starts at once. The orchestrator's call
+still comes, and takes the reply; what it waits for is the rest of the
+drafting, no longer the way round.
+
+What the draft keeps is exactly what the call would have computed: the same
+cache, the same per-position random draws (tandem.rng), so a prepared reply
+can never change an output. A call takes a prepared reply only when it names
+the same history, by length and fingerprint, and the same num_tokens,
+sampling and return_distributions; a prepare that does not match is cancelled
+before the call runs, and one that comes after its call, or for a history
+the draft already holds (a pre-draft that hit), or for a session it does not
+hold is skipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from draft_service.drafters import Proposal, ProposeCall
+from tandem import fingerprint
+from tandem.session_cache import SessionCacheStore
+
+log = logging.getLogger(__name__)
+MAX_SESSIONS = 1024  # prepares and call lengths kept; the oldest go first
+
+
+def history_key(call: ProposeCall) -> tuple:
+    """What a prepared reply must share with the call that takes it."""
+    length = call.prefix_len + len(call.new_tokens)
+    return (length, fingerprint.extend(call.prefix_fp, call.new_tokens), call.num_tokens, call.sampling,
+            call.return_dists, call.first_is_bonus_guess)
+
+
+def skip_held(store: SessionCacheStore, call: ProposeCall) -> ProposeCall | None:
+    """The call with the new tokens the session's cache already holds moved
+    into its prefix (all but the last, which a call always brings); None when
+    the cache does not hold the call's prefix, or holds its whole history (a
+    pre-draft after it hit): nothing to prepare then. Runs on the model thread."""
+    cache = store.peek(call.session_id)
+    if call.prefix_len == 0 or cache is None or not cache.matches(call.prefix_len, call.prefix_fp):
+        return None
+    length, fp, new = call.prefix_len, call.prefix_fp, list(call.new_tokens)
+    if cache.matches(length + len(new), fingerprint.extend(fp, new)):
+        return None
+    while len(new) > 1:
+        ahead = fingerprint.extend(fp, new[:1])
+        if not cache.matches(length + 1, ahead):
+            break
+        length, fp, new = length + 1, ahead, new[1:]
+    return dataclasses.replace(call, prefix_len=length, prefix_fp=fp, new_tokens=new)
+
+
+@dataclass
+class _Pending:
+    key: tuple
+    task: asyncio.Task  # → (Proposal | None, handler ms beyond compute) ; None: skipped
+    done_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Taken:
+    proposal: Proposal
+    handler_ms: float  # the time spent on this call in the draft's handlers, its compute included
+
+
+class Prepared:
+    """The prepared drafts of a draft service, one per session at most.
+
+    `run(call, cancelled)` drafts on the model worker: the servicer's
+    (ModelWorker.run with its cancel event and inline rule)."""
+
+    def __init__(self, store: SessionCacheStore, run: Callable[[ProposeCall, threading.Event], Awaitable[Proposal]]):
+        self.store = store
+        self.run = run
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._asked: OrderedDict[str, int] = OrderedDict()  # history length of a session's last fresh call
+        self.received = self.started = self.used = 0
+
+    def begin(self, call: ProposeCall) -> None:
+        """Starts drafting for `call` unless its orchestrator call came first."""
+        self.received += 1
+        length = call.prefix_len + len(call.new_tokens)
+        if call.first_is_bonus_guess or length <= self._asked.get(call.session_id, 0):
+            return
+        self._drop(call.session_id)
+        pending = _Pending(history_key(call), asyncio.get_running_loop().create_task(self._draft(call)))
+        pending.task.add_done_callback(lambda _: setattr(pending, "done_at", time.perf_counter()))
+        self._pending[call.session_id] = pending
+        while len(self._pending) > MAX_SESSIONS:
+            self._drop(next(iter(self._pending)))
+
+    async def _draft(self, call: ProposeCall) -> tuple[Proposal | None, float]:
+        started = time.perf_counter()
+        cancelled = threading.Event()
+        try:
+            proposal = await self.run(call, cancelled)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        except Exception as err:  # a cache miss, an eviction meanwhile: the call will run as usual
+            log.debug("prepare for session %s dropped: %s", call.session_id, err)
+            return None, 0.0
+        if proposal is not None:
+            self.started += 1
+            return proposal, (time.perf_counter() - started) * 1e3 - proposal.compute_ms
+        return None, 0.0
+
+    async def take(self, call: ProposeCall) -> Taken | None:
+        """The prepared reply for `call`, waited for; None when there is none,
+        after cancelling a prepare that `call` does not match."""
+        if not call.first_is_bonus_guess:
+            self._asked[call.session_id] = call.prefix_len + len(call.new_tokens)
+            self._asked.move_to_end(call.session_id)
+            while len(self._asked) > MAX_SESSIONS:
+                self._asked.popitem(last=False)
+        pending = self._pending.pop(call.session_id, None)
+        if pending is None:
+            return None
+        if pending.key != history_key(call):
+            await _cancelled(pending.task)
+            return None
+        arrived = time.perf_counter()
+        try:
+            proposal, beyond_ms = await pending.task
+        except Exception:
+            return None
+        if proposal is None:
+            return None
+        self.used += 1
+        after_ms = (time.perf_counter() - max(arrived, pending.done_at)) * 1e3
+        return Taken(proposal, proposal.compute_ms + beyond_ms + max(0.0, after_ms))
+
+    def _drop(self, session_id: str) -> None:
+        pending = self._pending.pop(session_id, None)
+        if pending is not None:
+            pending.task.cancel()
+
+    def release(self, session_id: str) -> None:
+        self._drop(session_id)
+        self._asked.pop(session_id, None)
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

@@ -1,0 +1,174 @@
+"""The relay (target_service.relay, draft_service.prepared): the target sends
+its verdict's next draft call straight to the draft service. Over real gRPC
+and Redis: outputs stay exactly the target's, the drafts after rejections are
+the relayed ones, and a prepare that does not fit is never used."""
+import asyncio
+
+import grpc
+import pytest
+
+from tandem import fingerprint
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
+from target_service.relay import next_request
+from tests.conftest import Cluster, reference_greedy
+
+PROMPT = [5, 17, 99, 3, 42, 8, 8, 120]
+
+
+@pytest.fixture(scope="module")
+def relay_cluster(tiny_models):
+    """An unrelated draft: nearly every round ends at a rejection."""
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], k=3)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_drafts_after_rejections_are_begun_by_the_relay_and_output_is_exact(relay_cluster, tiny_models, pipeline):
+    with relay_cluster.client() as client:
+        result = client.generate(prompt_ids=PROMPT, max_tokens=40, pipeline=pipeline)
+    assert result.token_ids == reference_greedy(tiny_models["target"], PROMPT, 40)
+    stats = result.stats
+    assert stats.rejected_rounds > 10
+    # Every draft after a verify's reply but the first few (the relay's stream
+    # opens on the first verify that asks for it) was begun by the relay.
+    drafted_after = stats.rounds - 1 - stats.predraft_hits  # the last round's draft is never asked for
+    assert drafted_after - 3 <= stats.relayed_drafts <= drafted_after
+    assert relay_cluster.draft.prepared.used >= stats.relayed_drafts
+
+
+def test_a_seeded_sampled_run_is_the_same_with_the_relay_on_and_off(tiny_models):
+    params = dict(prompt_ids=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95, seed=1234, num_draft_tokens=3)
+    outputs = {}
+    for relay in (True, False):
+        cluster = Cluster(tiny_models["target"], tiny_models["other"], k=3, relay=relay)
+        try:
+            with cluster.client() as client:
+                runs = [client.generate(pipeline=pipeline, **params) for pipeline in (False, True)]
+        finally:
+            cluster.stop()
+        assert runs[0].token_ids == runs[1].token_ids
+        assert (sum(r.stats.relayed_drafts for r in runs) > 0) == relay
+        outputs[relay] = runs[0].token_ids
+    assert outputs[True] == outputs[False]
+
+
+def test_a_draft_service_the_target_cannot_reach_costs_nothing_but_the_relay(tiny_models):
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], k=3, relay_address="127.0.0.1:1")
+    try:
+        with cluster.client() as client:
+            for pipeline in (False, True):
+                result = client.generate(prompt_ids=PROMPT, max_tokens=30, pipeline=pipeline)
+                assert result.token_ids == reference_greedy(tiny_models["target"], PROMPT, 30)
+                assert result.stats.relayed_drafts == 0
+                assert result.stats.undrafted_rounds == 0
+        assert cluster.target.relay.sent + cluster.target.relay.dropped > 0
+    finally:
+        cluster.stop()
+
+
+# --- the draft service's side, one call at a time ------------------------------
+def _request(session, prefix_tokens, new_tokens, k):
+    return draft_pb2.ProposeRequest(
+        session_id=session, new_tokens=new_tokens, num_tokens=k,
+        prefix=common_pb2.PrefixRef(length=len(prefix_tokens), fingerprint=fingerprint.of(prefix_tokens)))
+
+
+class DraftCalls:
+    """Propose and Prepare on one draft service, in the cluster's loop."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.channel = cluster.run(self._open())
+
+    async def _open(self):
+        return grpc.aio.insecure_channel(self.cluster.draft_address)
+
+    def propose(self, request):
+        async def call():
+            return await draft_pb2_grpc.DraftServiceStub(self.channel).Propose(request)
+
+        return self.cluster.run(call())
+
+    def prepare(self, *requests) -> tuple[int, int]:
+        """(requests received, those that drafted)."""
+        prepared = self.cluster.draft.prepared
+
+        async def send():
+            drafted = prepared.started
+            summary = await draft_pb2_grpc.DraftServiceStub(self.channel).Prepare(iter(requests))
+            await asyncio.sleep(0.2)  # the drafting it began runs on
+            return summary.received, prepared.started - drafted
+
+        return self.cluster.run(send())
+
+    def close(self):
+        self.cluster.run(self.channel.close())
+
+
+def test_a_call_takes_the_prepared_reply_only_when_it_names_the_same_history_and_length(relay_cluster):
+    calls = DraftCalls(relay_cluster)
+    try:
+        def round_one(session):
+            first = calls.propose(_request(session, [], PROMPT, 3))
+            return PROMPT + list(first.tokens[:-1]), list(first.tokens)
+
+        held, drafted = round_one("prep-a")
+        round_one("prep-b")  # the reference: the same calls, never prepared
+        # A verdict after that block: one accepted, then the target's token 9.
+        history, new = held[:len(PROMPT) + 1], [9]
+        assert calls.prepare(_request("prep-a", history, new, 4)) == (1, 1)
+        taken = calls.propose(_request("prep-a", history, new, 4))
+        reference = calls.propose(_request("prep-b", history, new, 4))
+        assert taken.prepared and not reference.prepared
+        assert list(taken.tokens) == list(reference.tokens)
+        assert taken.compute_ms > 0 and taken.handler_ms >= taken.compute_ms
+
+        # Another length than the one prepared: the prepare is dropped, the call runs.
+        history = history + [9] + list(taken.tokens[:-1])
+        calls.prepare(_request("prep-a", history[:-1], history[-1:], 2))
+        other = calls.propose(_request("prep-a", history[:-1], history[-1:], 3))
+        reference = calls.propose(_request("prep-b", history[:-1], history[-1:], 3))
+        assert not other.prepared and list(other.tokens) == list(reference.tokens)
+
+        # A prepare that comes after its call is skipped: the cache stays where the
+        # call left it, so a pre-draft naming that state still finds it.
+        late = _request("prep-a", history[:-1], history[-1:], 3)
+        used = relay_cluster.draft.prepared.used
+        assert calls.prepare(late) == (1, 0)
+        ahead = history + list(other.tokens[:-1])
+        pre = draft_pb2.ProposeRequest(
+            session_id="prep-a", new_tokens=other.tokens[-1:], num_tokens=2, first_is_bonus_guess=True,
+            prefix=common_pb2.PrefixRef(length=len(ahead), fingerprint=fingerprint.of(ahead)))
+        assert len(calls.propose(pre).tokens) == 2
+        assert relay_cluster.draft.prepared.used == used
+    finally:
+        calls.close()
+
+
+def test_a_prepare_for_a_history_the_draft_holds_or_a_session_it_lacks_drafts_nothing(relay_cluster):
+    calls = DraftCalls(relay_cluster)
+    try:
+        first = calls.propose(_request("prep-c", [], PROMPT, 4))
+        held = PROMPT + list(first.tokens[:-1])
+        assert calls.prepare(
+            _request("prep-c", held[:-2], held[-2:], 3),  # held whole: a pre-draft that hit
+            _request("prep-unknown", PROMPT, [1], 3),  # never seen
+            _request("prep-c", [], [1], 3),  # would start the session afresh
+        ) == (3, 0)
+        # The cache still holds what the first call left.
+        assert not calls.propose(_request("prep-c", held[:-1], held[-1:], 2)).prepared
+    finally:
+        calls.close()
+
+
+def test_next_request_names_what_the_draft_holds_and_brings_the_verdict():
+    verify = target_pb2.VerifyRequest(
+        session_id="s", prefix=common_pb2.PrefixRef(length=3, fingerprint=fingerprint.of([1, 2, 3])),
+        new_tokens=[4], draft_tokens=[10, 11, 12], relay=target_pb2.Relay(draft_address="d:1", num_tokens=5))
+    for accepted, next_token, held, new in [(0, 7, [1, 2, 3, 4], [7]), (2, 7, [1, 2, 3, 4, 10, 11], [7]),
+                                            (3, 13, [1, 2, 3, 4, 10, 11], [12, 13])]:
+        request = next_request(verify, accepted, next_token)
+        assert (request.prefix.length, request.prefix.fingerprint) == (len(held), fingerprint.of(held))
+        assert list(request.new_tokens) == new
+        assert (request.session_id, request.num_tokens) == ("s", 5)
