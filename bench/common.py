@@ -61,6 +61,9 @@ class ModeResult:
     tried_per_position: list[int] = field(default_factory=list)
     rounds_per_k: list[int] = field(default_factory=list)  # index: block length
     pipelined_prompts: int | None = None  # Tandem: prompts whose request pre-drafted (SpeculationStats.pipelined)
+    # Tandem: of the blocks drafted after a verify's reply, the fraction whose
+    # drafting the target's relay began (SpeculationStats.relayed_drafts; --relay)
+    relayed_draft_rate: float | None = None
     outputs: dict = field(default_factory=dict)
 
 
@@ -201,6 +204,7 @@ class TandemTally:
     steps: list[float] = field(default_factory=list)
     first_tokens: list[float] = field(default_factory=list)
     pipelined: int = 0
+    relayed: int = 0
 
     def time(self, client, name: str, ids: list[int], new_tokens: int, **params) -> None:
         """One prompt through the orchestrator, greedy, timed and folded in."""
@@ -217,6 +221,7 @@ class TandemTally:
         self.accepted += s.accepted_tokens
         self.hits += s.predraft_hits
         self.pipelined += s.pipelined
+        self.relayed += s.relayed_drafts
         self.attempts += s.predraft_attempts
         self.k_sum += s.mean_k * s.rounds
         _add_counts(self.rounds_per_k, s.rounds_per_k)
@@ -268,6 +273,9 @@ class TandemTally:
         r.tried_per_position = self.tried
         r.rounds_per_k = self.rounds_per_k
         r.pipelined_prompts = self.pipelined
+        # Every round but a prompt's last is followed by a pre-draft hit or a draft after its reply.
+        drafted_after = rounds - r.prompts - self.hits
+        r.relayed_draft_rate = self.relayed / drafted_after if drafted_after > 0 else None
         return r
 
 

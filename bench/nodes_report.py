@@ -54,6 +54,8 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         print(f"(d)'s overhead p50 {adaptive.overhead_ms_per_round_p50:.2f} ms: {adaptive.overhead_ms_predrafted_p50:.2f} ms "
               f"over rounds whose next block was pre-drafted (one model call on the critical path), "
               f"{adaptive.overhead_ms_drafted_after_p50:.2f} ms over those drafted after the verify (two)")
+    if adaptive.relayed_draft_rate is not None:
+        print(f"(d): the target's relay began {adaptive.relayed_draft_rate:.0%} of the blocks drafted after a verify")
     for label, r in (("(b)", sequential), ("(d)", adaptive)):
         if r.overhead_in_services_ms_p50 is not None and r.overhead_ms_per_round_p50 is not None:
             print(f"{label}'s overhead p50 {r.overhead_ms_per_round_p50:.2f} ms: {r.overhead_in_services_ms_p50:.2f} ms p50 "
@@ -86,6 +88,7 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         "overhead_ms_per_round_p50_drafted_after": adaptive.overhead_ms_drafted_after_p50,
         "overhead_in_services_ms_p50": adaptive.overhead_in_services_ms_p50,
         "handover_ms_per_round_p50": adaptive.handover_ms_per_round_p50,
+        "relayed_draft_rate": adaptive.relayed_draft_rate,
         "target_alone_ms_per_token": ms_per_token,
         "sequential_verify_ms_p50": sequential.verify_ms_p50,
         "sequential_verify_in_target_tokens": sequential.verify_ms_p50 / ms_per_token if sequential.verify_ms_p50 else None,

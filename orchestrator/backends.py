@@ -76,11 +76,12 @@ class Proposer(Protocol):
 class Verifier(Protocol):
     async def verify(
         self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
-        sampling: SamplingParams, relay_k: int = 0,
+        sampling: SamplingParams, relay_k: int = 0, relay_all_accepted: bool = False,
     ) -> VerifyResult:
         """relay_k > 0, passed only to a verifier whose `relays` attribute is
-        true (absent: false): the target also sends the draft the call that
-        drafts relay_k tokens after the verdict (target_service.relay)."""
+        true (absent: false): after a rejection, and after a whole block too
+        if relay_all_accepted, the target also sends the draft the call that
+        drafts relay_k tokens after its verdict (target_service.relay)."""
 
     async def release(self, session_id: str) -> None: ...
 
@@ -187,7 +188,7 @@ class GrpcVerifier(_GrpcClient):
         self.relay_to = relay_to
         self.relays = bool(relay_to)
 
-    async def verify(self, session_id, prefix, new_tokens, block, sampling, relay_k=0):
+    async def verify(self, session_id, prefix, new_tokens, block, sampling, relay_k=0, relay_all_accepted=False):
         request = target_pb2.VerifyRequest(
             session_id=session_id,
             prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
@@ -201,6 +202,7 @@ class GrpcVerifier(_GrpcClient):
             request.relay.draft_address = self.relay_to
             request.relay.num_tokens = relay_k
             request.relay.return_distributions = not sampling.greedy
+            request.relay.after_all_accepted = relay_all_accepted
         start = time.perf_counter()
         reply = await self._call(request)
         return VerifyResult(

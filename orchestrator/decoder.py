@@ -113,8 +113,9 @@ class Decoder:
         self.draft_view.tail = block.tokens[:-1]
         return block
 
-    async def _verify(self, block: DraftBlock, round_span=telemetry.NO_SPAN, relay_k: int = 0) -> VerifyResult:
-        relay = {"relay_k": relay_k} if relay_k else {}
+    async def _verify(self, block: DraftBlock, round_span=telemetry.NO_SPAN, relay_k: int = 0,
+                      relay_all_accepted: bool = False) -> VerifyResult:
+        relay = {"relay_k": relay_k, "relay_all_accepted": relay_all_accepted} if relay_k else {}
         with telemetry.child_span("tandem.verify", round_span, telemetry.SpanKind.CLIENT) as span:
             result = await self._resynced(self.target_view, span, lambda base: self.verifier.verify(
                 self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block, self.sampling,
@@ -232,13 +233,16 @@ class Decoder:
         With the relay, the verify asks the target to start the draft after its
         verdict: the length the draft would get if asked now, within the room
         left should the whole block and the bonus token be committed."""
+        ahead = self._room(self.policy.k_ahead, ahead=len(block.tokens) + 1)
+        predrafts = bool(self.pipeline and block.tokens and ahead and self.breaker.allows())
         self.relay_k = 0
         if self.relays and block.tokens and self.breaker.allows():
             self.relay_k = self._room(self.policy.k, ahead=len(block.tokens) + 1)
-        verify = asyncio.create_task(self._verify(block, round_span, self.relay_k))
+        # Beside a pre-draft, only a rejection is relayed: after a whole block the
+        # pre-draft is mostly used, and the relay would cost the next round.
+        verify = asyncio.create_task(self._verify(block, round_span, self.relay_k, relay_all_accepted=not predrafts))
         pre = None
-        ahead = self._room(self.policy.k_ahead, ahead=len(block.tokens) + 1)
-        if self.pipeline and block.tokens and ahead and self.breaker.allows():
+        if predrafts:
             pre = asyncio.create_task(self._predraft(block, ahead, round_span))
             self.stats.predraft_attempts += 1
         return verify, pre

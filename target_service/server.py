@@ -87,9 +87,10 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             outcome = await self.run_checked(context, self.verifier.verify, call,
                                              rows=len(call.new_tokens) + len(call.draft_tokens))
             self.prefill_tokens += outcome.prefilled
-            if call.draft_tokens and request.relay.draft_address and request.relay.num_tokens:
-                self.relay.send(request.relay.draft_address, next_request(request, outcome.accepted,
-                                                                          outcome.next_token))
+            relay = request.relay
+            if (call.draft_tokens and relay.draft_address and relay.num_tokens
+                    and (outcome.accepted < len(call.draft_tokens) or relay.after_all_accepted)):
+                self.relay.send(relay.draft_address, next_request(request, outcome.accepted, outcome.next_token))
             if outcome.prefilled <= 1 and call.draft_tokens:  # as the orchestrator's verify_ms_p50
                 telemetry.instruments().verify_compute.record(outcome.compute_ms * 1e-3)
             if span.is_recording():

@@ -172,3 +172,21 @@ def test_next_request_names_what_the_draft_holds_and_brings_the_verdict():
         assert (request.prefix.length, request.prefix.fingerprint) == (len(held), fingerprint.of(held))
         assert list(request.new_tokens) == new
         assert (request.session_id, request.num_tokens) == ("s", 5)
+
+
+def test_beside_a_pre_draft_only_rejections_are_relayed(same_cluster, tiny_models):
+    """Draft = target: every block is accepted whole. Sequential, every draft is
+    relayed; pipelined, the pre-drafts are used and nothing is relayed."""
+    relay = same_cluster.target.relay
+    with same_cluster.client() as client:
+        for pipeline in (False, True):
+            sent = relay.sent
+            result = client.generate(prompt_ids=PROMPT, max_tokens=40, num_draft_tokens=3, pipeline=pipeline)
+            assert result.token_ids == reference_greedy(tiny_models["target"], PROMPT, 40)
+            stats = result.stats
+            assert stats.rejected_rounds == 0
+            if pipeline:
+                assert stats.predraft_hits > 0
+                assert (stats.relayed_drafts, relay.sent - sent) == (0, 0)
+            else:
+                assert stats.rounds - 4 <= stats.relayed_drafts <= stats.rounds - 2
