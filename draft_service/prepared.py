@@ -35,7 +35,9 @@ from tandem import fingerprint
 from tandem.session_cache import SessionCacheStore
 
 log = logging.getLogger(__name__)
-MAX_SESSIONS = 1024  # prepares and call lengths kept; the oldest go first
+MAX_PENDING = 256  # prepared drafts kept, one a session; the oldest go first
+STALE_S = 5.0  # a prepared draft not taken this long after it finished is dropped (its request ended)
+MAX_ASKED = 4096  # sessions whose last call's history length is kept
 
 
 def history_key(call: ProposeCall) -> tuple:
@@ -88,19 +90,21 @@ class Prepared:
         self.run = run
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._asked: OrderedDict[str, int] = OrderedDict()  # history length of a session's last fresh call
-        self.received = self.started = self.used = 0
+        self.received = self.started = self.used = 0  # Prepare requests; those that drafted; replies taken
 
     def begin(self, call: ProposeCall) -> None:
         """Starts drafting for `call` unless its orchestrator call came first."""
-        self.received += 1
         length = call.prefix_len + len(call.new_tokens)
         if call.first_is_bonus_guess or length <= self._asked.get(call.session_id, 0):
             return
         self._drop(call.session_id)
+        stale = time.perf_counter() - STALE_S
+        for session_id in [s for s, p in self._pending.items() if p.done_at and p.done_at < stale]:
+            self._drop(session_id)
         pending = _Pending(history_key(call), asyncio.get_running_loop().create_task(self._draft(call)))
         pending.task.add_done_callback(lambda _: setattr(pending, "done_at", time.perf_counter()))
         self._pending[call.session_id] = pending
-        while len(self._pending) > MAX_SESSIONS:
+        while len(self._pending) > MAX_PENDING:
             self._drop(next(iter(self._pending)))
 
     async def _draft(self, call: ProposeCall) -> tuple[Proposal | None, float]:
@@ -125,7 +129,7 @@ class Prepared:
         if not call.first_is_bonus_guess:
             self._asked[call.session_id] = call.prefix_len + len(call.new_tokens)
             self._asked.move_to_end(call.session_id)
-            while len(self._asked) > MAX_SESSIONS:
+            while len(self._asked) > MAX_ASKED:
                 self._asked.popitem(last=False)
         pending = self._pending.pop(call.session_id, None)
         if pending is None:

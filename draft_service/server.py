@@ -183,15 +183,17 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
 
     async def Prepare(self, requests, context):
         """Propose requests sent by the target on its verdicts (draft_service.prepared)."""
-        received = self.prepared.received
+        received = 0
         async for request in requests:
+            received += 1
+            self.prepared.received += 1
             try:
                 call = self._call(request)
             except InvalidRequest as err:
                 log.debug("prepare ignored: %s", err)
                 continue
             self.prepared.begin(call)
-        return draft_pb2.PrepareSummary(received=self.prepared.received - received)
+        return draft_pb2.PrepareSummary(received=received)
 
     async def ReleaseSession(self, request, context):
         self.prepared.release(request.session_id)

@@ -72,6 +72,8 @@ class Cluster:
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = ""):
+        # relay: on in the test clusters (the server's default is off), so that
+        # every end-to-end test runs through it as well as tests/test_relay.py.
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -146,7 +146,7 @@ def test_a_call_takes_the_prepared_reply_only_when_it_names_the_same_history_and
         calls.close()
 
 
-def test_a_prepare_for_a_history_the_draft_holds_or_a_session_it_lacks_drafts_nothing(relay_cluster):
+def test_a_prepare_for_a_history_the_draft_holds_a_session_it_lacks_or_a_bad_call_drafts_nothing(relay_cluster):
     calls = DraftCalls(relay_cluster)
     try:
         first = calls.propose(_request("prep-c", [], PROMPT, 4))
@@ -155,7 +155,8 @@ def test_a_prepare_for_a_history_the_draft_holds_or_a_session_it_lacks_drafts_no
             _request("prep-c", held[:-2], held[-2:], 3),  # held whole: a pre-draft that hit
             _request("prep-unknown", PROMPT, [1], 3),  # never seen
             _request("prep-c", [], [1], 3),  # would start the session afresh
-        ) == (3, 0)
+            _request("prep-c", held[:-1], held[-1:], 0),  # fails Propose's checks: ignored
+        ) == (4, 0)
         # The cache still holds what the first call left.
         assert not calls.propose(_request("prep-c", held[:-1], held[-1:], 2)).prepared
     finally:
