@@ -174,6 +174,13 @@ class ModelServiceBase:
             queue_depth=self.worker.queue_depth,
         )
 
+    def _store_counts(self) -> dict[str, int]:
+        return dict(sessions=len(self.store), cache_bytes=self.store.total_bytes(),
+                    evictions=self.store.counters.evictions)
+
     async def GetStats(self, request, context):
-        cache_bytes = await self.worker.run(self.store.total_bytes)  # after the calls queued before this one
-        return common_pb2.ServiceStats(**{**self.counts(), "cache_bytes": cache_bytes})
+        # The store's numbers in one snapshot on the model thread, after the calls
+        # queued before this one: read apart, an idle sweep running between them
+        # could report no session beside the bytes of the one it dropped.
+        store = await self.worker.run(self._store_counts)
+        return common_pb2.ServiceStats(**{**self.counts(), **store})
