@@ -109,12 +109,8 @@ class Prepared:
 
     async def _draft(self, call: ProposeCall) -> tuple[Proposal | None, float]:
         started = time.perf_counter()
-        cancelled = threading.Event()
         try:
-            proposal = await self.run(call, cancelled)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
+            proposal = await self.run(call, threading.Event())  # a cancel sets the event (ModelWorker.run)
         except Exception as err:  # a cache miss, an eviction meanwhile: the call will run as usual
             log.debug("prepare for session %s dropped: %s", call.session_id, err)
             return None, 0.0

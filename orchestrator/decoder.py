@@ -233,11 +233,10 @@ class Decoder:
         With the relay, the verify asks the target to start the draft after its
         verdict: the length the draft would get if asked now, within the room
         left should the whole block and the bonus token be committed."""
+        drafts = bool(block.tokens) and self.breaker.allows()
         ahead = self._room(self.policy.k_ahead, ahead=len(block.tokens) + 1)
-        predrafts = bool(self.pipeline and block.tokens and ahead and self.breaker.allows())
-        self.relay_k = 0
-        if self.relays and block.tokens and self.breaker.allows():
-            self.relay_k = self._room(self.policy.k, ahead=len(block.tokens) + 1)
+        predrafts = bool(self.pipeline and drafts and ahead)
+        self.relay_k = self._room(self.policy.k, ahead=len(block.tokens) + 1) if self.relays and drafts else 0
         # Beside a pre-draft, only a rejection is relayed: after a whole block the
         # pre-draft is mostly used, and the relay would cost the next round.
         verify = asyncio.create_task(self._verify(block, round_span, self.relay_k, relay_all_accepted=not predrafts))
