@@ -94,7 +94,7 @@ def deployment(args, cpus_target, cpus_draft, pinned: bool, whole: tuple[bool, i
 
     gpu = args.device != "cpu"
     threads = (None, None) if gpu else (args.threads_per_node,) * 2 if pinned else whole[1:]
-    model_args = ["--dtype", args.dtype, "--device", args.device]
+    model_args = ["--dtype", args.dtype, "--device", args.device, "--huge-pages", args.huge_pages]
     target = Service("target", ["--model", args.target, *model_args, *args.target_args.split()], threads=threads[0],
                      cpus=cpus_target if pinned and not gpu else None)
     draft = Service("draft", ["--model", args.draft, *model_args, *args.draft_args.split()],
@@ -216,7 +216,7 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
             # target service's load peaks near 10 GB, which with the bench's own
             # target and this draft beside the draft service's load overran 24 GiB.
             if "f" not in skip:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
-                draft = load_hf(draft_path, *config, args.device)
+                draft = load_hf(draft_path, *config, args.device, args.huge_pages)
                 hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
             if n == 0 and "e" not in skip:
                 hf_warm_up(target, prompts)
@@ -271,6 +271,10 @@ def main(argv=None) -> int:
     parser.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
     parser.add_argument("--k-max", type=int, default=6, help="adaptive k upper bound")
     parser.add_argument("--threads-per-node", type=int, default=1, help="torch threads per pinned service")
+    parser.add_argument("--huge-pages", default="auto", choices=["auto", "on", "off"],
+                        help="the services' --huge-pages, and the same for this process's own models (the target "
+                             "alone, HF assisted), so that every mode runs on the same memory placement "
+                             "(default: %(default)s)")
     parser.add_argument("--whole-configs", type=whole_configs, default=WHOLE_CONFIGS,
                         help="(g): the configurations to run Tandem in on the unpinned machine, comma-separated, "
                              "each MODE:THREADS (both services) or MODE:TARGET/DRAFT (torch threads of the target, "
@@ -321,7 +325,7 @@ def main(argv=None) -> int:
     for dtype, linear in configs[1:]:
         label = config_label(dtype, linear)
         suffix = "_" + label.replace("/", "_")
-        target = load_hf(target_path, dtype, linear, args.device)
+        target = load_hf(target_path, dtype, linear, args.device, args.huge_pages)
         print(f"(a) target alone, {where}, {label} …", flush=True)
         with on_one_core(cores, gpu):
             modes["a_target_one_core" + suffix] = hf_generate(target, prompts, args.new_tokens)
@@ -332,7 +336,7 @@ def main(argv=None) -> int:
         gc.collect()
 
     label = config_label(*configs[0])
-    target = load_hf(target_path, *configs[0], args.device)
+    target = load_hf(target_path, *configs[0], args.device, args.huge_pages)
     print(f"(a)-(d), prompt by prompt: (a) target alone, {where}, {label}; Tandem on the two nodes", flush=True)
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k]
     modes.update(pinned_modes(args, prompts, target, cores, fixed_ks))

@@ -77,6 +77,11 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                    help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill or a pre-draft) on the "
                         "server's event loop when the model thread is idle, saving two thread hops a call; "
                         "auto = on for a CPU model on one torch thread, and for the n-gram drafter (default: %(default)s)")
+    p.add_argument("--huge-pages", default="auto", choices=["auto", "on", "off"],
+                   help="once the model is in memory, move the process's resident memory (the weights) onto "
+                        "transparent huge pages with madvise(MADV_COLLAPSE), Linux 6.1+: a CPU forward streams "
+                        "every weight, and 2 MiB pages take 512 times fewer page walks than 4 KiB ones; memory "
+                        "placement only, outputs unchanged; auto = on for a CPU model on Linux (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
     p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")
@@ -298,6 +303,10 @@ def _serve(args) -> None:
                                        quantize=args.quantize, min_confidence=args.min_confidence,
                                        lean_step=args.lean_step, int4_kernel=args.int4_kernel)
                 server, port, health, servicer = build_server(address, model, cache, options)
+            if args.role == "target" or args.backend != "ngram":
+                from tandem import hugepages
+
+                hugepages.apply(args.huge_pages, args.device, f"the {args.role} model")
             draining = servicer.draining
         return server, port, health, servicer, name, draining
 
