@@ -74,18 +74,14 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     return auto_dtype(device) if dtype == "auto" else dtype
 
 
-def load_hf(path: str, dtype: str, linear: str = "auto", device: str = "cpu", huge_pages: str = "auto"):
+def load_hf(path: str, dtype: str, linear: str = "auto", device: str = "cpu"):
     """The bare HF model; linear="auto" gives the kernels a model service would
     use for `dtype` (on a CPU: fp16-weight or packed linear layers, see
-    tandem.cpu_kernels), "native" plain nn.Linear. Its weights then go on huge
-    pages as a model service's do (--huge-pages, tandem.hugepages), so that the
-    target alone is timed on the same memory placement as Tandem."""
-    from tandem import hugepages
+    tandem.cpu_kernels), "native" plain nn.Linear. On huge pages where a model
+    service's would be (bench/__init__.py)."""
     from tandem.modeling import ModelConfig, load_causal_lm
 
-    model = load_causal_lm(path, ModelConfig(path, device=device, dtype=dtype, linear=linear))
-    hugepages.apply(huge_pages, device, path)
-    return model
+    return load_causal_lm(path, ModelConfig(path, device=device, dtype=dtype, linear=linear))
 
 
 def baselines(dtype: str, extra: str = "", device: str = "cpu", linear: str = "auto") -> list[tuple[str, str]]:

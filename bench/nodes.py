@@ -216,7 +216,7 @@ def unpinned_modes(args, prompts, target, config: tuple[str, str], draft_path: s
             # target service's load peaks near 10 GB, which with the bench's own
             # target and this draft beside the draft service's load overran 24 GiB.
             if "f" not in skip:  # Tandem's kernels: they verify blocks far faster than nn.Linear here
-                draft = load_hf(draft_path, *config, args.device, args.huge_pages)
+                draft = load_hf(draft_path, *config, args.device)
                 hf_warm_up(target, prompts, draft, HF_ASSISTED_K)
             if n == 0 and "e" not in skip:
                 hf_warm_up(target, prompts)
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
     for dtype, linear in configs[1:]:
         label = config_label(dtype, linear)
         suffix = "_" + label.replace("/", "_")
-        target = load_hf(target_path, dtype, linear, args.device, args.huge_pages)
+        target = load_hf(target_path, dtype, linear, args.device)
         print(f"(a) target alone, {where}, {label} …", flush=True)
         with on_one_core(cores, gpu):
             modes["a_target_one_core" + suffix] = hf_generate(target, prompts, args.new_tokens)
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
         gc.collect()
 
     label = config_label(*configs[0])
-    target = load_hf(target_path, *configs[0], args.device, args.huge_pages)
+    target = load_hf(target_path, *configs[0], args.device)
     print(f"(a)-(d), prompt by prompt: (a) target alone, {where}, {label}; Tandem on the two nodes", flush=True)
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k]
     modes.update(pinned_modes(args, prompts, target, cores, fixed_ks))

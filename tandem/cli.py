@@ -78,10 +78,11 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                         "server's event loop when the model thread is idle, saving two thread hops a call; "
                         "auto = on for a CPU model on one torch thread, and for the n-gram drafter (default: %(default)s)")
     p.add_argument("--huge-pages", default="auto", choices=["auto", "on", "off"],
-                   help="once the model is in memory, move the process's resident memory (the weights) onto "
-                        "transparent huge pages with madvise(MADV_COLLAPSE), Linux 6.1+: a CPU forward streams "
-                        "every weight, and 2 MiB pages take 512 times fewer page walks than 4 KiB ones; memory "
-                        "placement only, outputs unchanged; auto = on for a CPU model on Linux (default: %(default)s)")
+                   help="hold the model's weights on transparent huge pages (Linux, THP madvise or always): torch "
+                        "puts its allocations of 2 MiB or more on 2 MiB pages (THP_MEM_ALLOC_ENABLE; the flag wins "
+                        "over the environment); a CPU forward streams every weight, and 2 MiB pages take 512 times "
+                        "fewer page walks than 4 KiB ones; memory placement only, outputs unchanged; auto = on "
+                        "for a CPU model on Linux (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
     p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")
@@ -290,7 +291,7 @@ def _serve(args) -> None:
             draining = None
         else:
             model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-                                linear=args.linear, inline_compute=args.inline_compute)
+                                linear=args.linear, inline_compute=args.inline_compute, huge_pages=args.huge_pages)
             cache = CacheConfig(budget_mb=args.cache_mb, session_ttl_s=args.session_ttl)
             if args.role == "target":
                 from target_service.server import SERVICE_NAME as name, build_server
@@ -306,7 +307,7 @@ def _serve(args) -> None:
             if args.role == "target" or args.backend != "ngram":
                 from tandem import hugepages
 
-                hugepages.apply(args.huge_pages, args.device, f"the {args.role} model")
+                hugepages.report(model.huge_pages, model.device, f"the {args.role} model")
             draining = servicer.draining
         return server, port, health, servicer, name, draining
 
@@ -387,6 +388,10 @@ def main(argv=None) -> int:
 
     try:
         if args.command == "serve":
+            if args.role != "orchestrator":
+                from tandem import hugepages
+
+                hugepages.allocate_on_huge_pages(args.huge_pages, args.device)  # before torch loads
             _serve(args)
             return 0
         if args.command == "generate":
