@@ -77,8 +77,7 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 def load_hf(path: str, dtype: str, linear: str = "auto", device: str = "cpu"):
     """The bare HF model; linear="auto" gives the kernels a model service would
     use for `dtype` (on a CPU: fp16-weight or packed linear layers, see
-    tandem.cpu_kernels), "native" plain nn.Linear. On huge pages where a model
-    service's would be (bench/__init__.py)."""
+    tandem.cpu_kernels), "native" plain nn.Linear."""
     from tandem.modeling import ModelConfig, load_causal_lm
 
     return load_causal_lm(path, ModelConfig(path, device=device, dtype=dtype, linear=linear))

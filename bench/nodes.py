@@ -94,7 +94,7 @@ def deployment(args, cpus_target, cpus_draft, pinned: bool, whole: tuple[bool, i
 
     gpu = args.device != "cpu"
     threads = (None, None) if gpu else (args.threads_per_node,) * 2 if pinned else whole[1:]
-    model_args = ["--dtype", args.dtype, "--device", args.device, "--huge-pages", args.huge_pages]
+    model_args = ["--dtype", args.dtype, "--device", args.device]
     target = Service("target", ["--model", args.target, *model_args, *args.target_args.split()], threads=threads[0],
                      cpus=cpus_target if pinned and not gpu else None)
     draft = Service("draft", ["--model", args.draft, *model_args, *args.draft_args.split()],
@@ -271,10 +271,6 @@ def main(argv=None) -> int:
     parser.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
     parser.add_argument("--k-max", type=int, default=6, help="adaptive k upper bound")
     parser.add_argument("--threads-per-node", type=int, default=1, help="torch threads per pinned service")
-    parser.add_argument("--huge-pages", default="auto", choices=["auto", "on", "off"],
-                        help="the services' --huge-pages, and the same for this process's own models (the target "
-                             "alone, HF assisted), so that every mode runs on the same memory placement "
-                             "(default: %(default)s)")
     parser.add_argument("--whole-configs", type=whole_configs, default=WHOLE_CONFIGS,
                         help="(g): the configurations to run Tandem in on the unpinned machine, comma-separated, "
                              "each MODE:THREADS (both services) or MODE:TARGET/DRAFT (torch threads of the target, "

@@ -106,7 +106,6 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         "draft_args": args.draft_args,
         "draft_backend": args.draft_backend,
         "target_args": args.target_args,
-        "huge_pages": args.huge_pages,
         "orchestrator_args": args.orchestrator_args,
         "hf_assisted": hf_assisted,
         "whole_machine": {"configs": [{"pipeline": p, "target_threads": t, "draft_threads": d}

@@ -77,12 +77,6 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                    help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill or a pre-draft) on the "
                         "server's event loop when the model thread is idle, saving two thread hops a call; "
                         "auto = on for a CPU model on one torch thread, and for the n-gram drafter (default: %(default)s)")
-    p.add_argument("--huge-pages", default="auto", choices=["auto", "on", "off"],
-                   help="hold the model's weights on transparent huge pages (Linux, THP madvise or always): torch "
-                        "puts its allocations of 2 MiB or more on 2 MiB pages (THP_MEM_ALLOC_ENABLE; the flag wins "
-                        "over the environment); a CPU forward streams every weight, and 2 MiB pages take 512 times "
-                        "fewer page walks than 4 KiB ones; memory placement only, outputs unchanged; auto = on "
-                        "for a CPU model on Linux (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
     p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")
@@ -291,7 +285,7 @@ def _serve(args) -> None:
             draining = None
         else:
             model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-                                linear=args.linear, inline_compute=args.inline_compute, huge_pages=args.huge_pages)
+                                linear=args.linear, inline_compute=args.inline_compute)
             cache = CacheConfig(budget_mb=args.cache_mb, session_ttl_s=args.session_ttl)
             if args.role == "target":
                 from target_service.server import SERVICE_NAME as name, build_server
@@ -304,10 +298,6 @@ def _serve(args) -> None:
                                        quantize=args.quantize, min_confidence=args.min_confidence,
                                        lean_step=args.lean_step, int4_kernel=args.int4_kernel)
                 server, port, health, servicer = build_server(address, model, cache, options)
-            if args.role == "target" or args.backend != "ngram":
-                from tandem import hugepages
-
-                hugepages.report(model.huge_pages, model.device, f"the {args.role} model")
             draining = servicer.draining
         return server, port, health, servicer, name, draining
 
@@ -388,10 +378,6 @@ def main(argv=None) -> int:
 
     try:
         if args.command == "serve":
-            if args.role != "orchestrator":
-                from tandem import hugepages
-
-                hugepages.allocate_on_huge_pages(args.huge_pages, args.device)  # before torch loads
             _serve(args)
             return 0
         if args.command == "generate":

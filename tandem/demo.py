@@ -8,8 +8,6 @@ import math
 import sys
 import time
 
-from tandem import hugepages
-
 CODE_PROMPT = "Write a Python function `is_prime(n)` that returns True when n is a prime number."
 WARM_UP_TOKENS = 32
 CHAT = ["Give me a one-line Python expression that reverses a string s.", "Now do the same for a list."]
@@ -49,9 +47,6 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
                         help="extra flags for `tandem serve draft` (default: %(default)s)")
     args = parser.parse_args(argv)
-    # The target alone runs in this process: its weights on huge pages, as the
-    # services' are by default (--huge-pages auto), before torch allocates.
-    hugepages.allocate_on_huge_pages("auto", "cpu")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from tandem.client import TandemClient, collect

@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from tandem import cpu_kernels, hugepages
+from tandem import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,6 @@ class ModelConfig:
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default on a CPU, 1 on a GPU (use_gpu_host_settings)
     linear: str = "auto"  # "native": nn.Linear; "packed": oneDNN float32, or bf16 with native bf16 (CPU); "fp16": FBGEMM on exact fp16 weights; "auto": the fastest that fits
     inline_compute: str = "auto"  # short calls on the server's event loop: "on", "off", "auto" (tandem.model_service.inline_compute)
-    huge_pages: str = "auto"  # weights on transparent huge pages: "on", "off", "auto" (= a CPU model on Linux; tandem.hugepages)
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -80,7 +79,6 @@ class ModelConfig:
         cpu_kernels.resolve_linear(self.linear, self.device, self.resolved_dtype)  # raises on an impossible choice
         if self.inline_compute not in INLINE_COMPUTE:
             raise ValueError(f"inline_compute must be one of {INLINE_COMPUTE}, got {self.inline_compute!r}")
-        hugepages.wanted(self.huge_pages, self.device)  # raises on an unknown mode
 
     @property
     def resolved_dtype(self) -> str:
