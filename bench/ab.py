@@ -7,19 +7,27 @@ the machine as much as two settings: the 2-core VMs in bench/RESULTS.md drift by
 deployments are up at once, each pinned as `make bench-nodes` pins its two
 nodes (target on the first core, draft on the second, one torch thread each),
 and every prompt runs through each mode on A and on B back to back, the order
-alternating, so that drift falls on both alike. Only one deployment computes at a time;
-the other's services sit idle. It needs the memory of two (about 10 GB for
-the default pair).
+alternating, so that drift falls on both alike. Only one deployment computes at
+a time; the other's services sit idle. It needs the memory of two (about 10 GB
+for the default pair).
+
+Where a deployment sits in memory matters too: on an AMX VM the deployment
+started second ran 3.5% and 10% faster than the first, whichever setting it had
+(bench/RESULTS.md). So the run has two halves, A started first, then B
+started first, and B over A is the geometric mean of the two halves' ratios,
+which cancels that bias; the bias itself is reported (second_over_first).
 
     python -m bench.ab --b-orchestrator-args "--relay on"
     python -m bench.ab --a-target-args "--linear bf16w" --b-target-args "--linear packed" --modes d
 
-Writes bench/results/ab.json: each side's modes (bench.nodes' fields), B over
-A per mode, and how many prompts gave the same tokens on both sides."""
+Writes bench/results/ab.json: each half's modes on each side (bench.nodes'
+fields), B over A per mode and per half, and how many prompts gave the same
+tokens on both sides."""
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from dataclasses import asdict
@@ -29,6 +37,7 @@ from bench.common import PROMPTS, RESULTS, TandemTally, prompt_ids, resolve_dtyp
 
 log = logging.getLogger("bench.ab")
 
+STARTS = (("a", "b"), ("b", "a"))  # the two halves' start orders
 MODES = {"b": ("b_sequential", "(b) sequential"), "c": ("c_pipelined_k{k}", "(c) pipelined, k={k}"),
          "d": ("d_pipelined_adaptive", "(d) pipelined, adaptive k")}
 
@@ -75,10 +84,11 @@ def main(argv=None) -> int:
                                                       "(default: %(default)s)")
     parser.add_argument("--k", type=int, default=3, help="k of (b) and (c) (default: %(default)s)")
     parser.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound (default: %(default)s)")
-    parser.add_argument("--k-max", type=int, default=8, help="adaptive k upper bound (default: %(default)s)")
+    parser.add_argument("--k-max", type=int, default=6, help="adaptive k upper bound (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per prompt (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over the prompts in each half (default: %(default)s)")
     parser.add_argument("--out", default=str(RESULTS / "ab.json"), help="JSON output path")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -100,39 +110,53 @@ def main(argv=None) -> int:
 
     prompts = prompt_ids(AutoTokenizer.from_pretrained(resolve_model(args.target)), args.prompts.split(","))
     modes = [mode_params(letter, args.k) for letter in letters]
-    tallies = {which: {name: TandemTally() for name, _ in modes} for which in "ab"}
-    with deployment(side(args, "a"), str(cores[0]), str(cores[1]), pinned=True) as a, \
-            deployment(side(args, "b"), str(cores[0]), str(cores[1]), pinned=True) as b, \
-            TandemClient(a.address, timeout_s=3600) as client_a, TandemClient(b.address, timeout_s=3600) as client_b:
-        clients = {"a": client_a, "b": client_b}
-        for client in clients.values():  # first-call costs, and the costs the orchestrators learn from
-            for ids in prompts.values():
-                client.generate(prompt_ids=ids, max_tokens=16)
-        order = ["a", "b"]
-        for n in range(args.rounds):
-            for name, ids in prompts.items():
-                for mode, params in modes:
-                    for which in list(order):
-                        print(f"pass {n + 1}, {name}: {mode} on {which.upper()} …", flush=True)
-                        tallies[which][mode].time(clients[which], name, ids, args.new_tokens, **params)
-                    order.reverse()
-    results = {which: {mode: tally.result() for mode, tally in by_mode.items()} for which, by_mode in tallies.items()}
+    # Each half starts both deployments, in its order, and runs every pass;
+    # halves[h][which][mode] is a tally.
+    halves = [{which: {name: TandemTally() for name, _ in modes} for which in "ab"} for _ in STARTS]
+    for started, tallies in zip(STARTS, halves):
+        first, second = started
+        print(f"half {'AB'.index(first.upper()) + 1} of 2: {first.upper()} starts first", flush=True)
+        with deployment(side(args, first), str(cores[0]), str(cores[1]), pinned=True) as d1, \
+                deployment(side(args, second), str(cores[0]), str(cores[1]), pinned=True) as d2, \
+                TandemClient(d1.address, timeout_s=3600) as c1, TandemClient(d2.address, timeout_s=3600) as c2:
+            clients = {first: c1, second: c2}
+            for client in clients.values():  # first-call costs, and the costs the orchestrators learn from
+                for ids in prompts.values():
+                    client.generate(prompt_ids=ids, max_tokens=16)
+            order = ["a", "b"]
+            for n in range(args.rounds):
+                for name, ids in prompts.items():
+                    for mode, params in modes:
+                        for which in list(order):
+                            print(f"{first.upper()} first, pass {n + 1}, {name}: {mode} on {which.upper()} …",
+                                  flush=True)
+                            tallies[which][mode].time(clients[which], name, ids, args.new_tokens, **params)
+                        order.reverse()
+    results = [{which: {mode: tally.result() for mode, tally in by_mode.items()} for which, by_mode in tallies.items()}
+               for tallies in halves]
+    ratio = {mode: [r["b"][mode].tok_s / r["a"][mode].tok_s for r in results] for mode, _ in modes}
     payload = {
         "sides": {which: {"target_args": side(args, which).target_args, "draft_args": side(args, which).draft_args,
-                          "orchestrator_args": side(args, which).orchestrator_args,
-                          "modes": {mode: _fields(r) for mode, r in results[which].items()}} for which in "ab"},
-        "b_over_a_tok_s": {mode: results["b"][mode].tok_s / results["a"][mode].tok_s for mode, _ in modes},
-        "same_tokens": {mode: sum(results["a"][mode].outputs[p] == results["b"][mode].outputs[p] for p in prompts)
+                          "orchestrator_args": side(args, which).orchestrator_args} for which in "ab"},
+        "halves": [{"started_first": started[0], "modes": {which: {mode: _fields(r) for mode, r in result[which].items()}
+                                                              for which in "ab"}}
+                   for started, result in zip(STARTS, results)],
+        # B over A in each half, and their geometric mean: what the setting does,
+        # with the bias of the deployment started second cancelled out.
+        "b_over_a_tok_s_per_half": ratio,
+        "b_over_a_tok_s": {mode: math.sqrt(r[0] * r[1]) for mode, r in ratio.items()},
+        # How much faster the deployment started second ran, whatever its setting.
+        "second_over_first_tok_s": {mode: math.sqrt(r[0] / r[1]) for mode, r in ratio.items()},
+        "same_tokens": {mode: sum(r["a"][mode].outputs[p] == r["b"][mode].outputs[p] for r in results for p in prompts)
                         for mode, _ in modes},
         "prompts": list(prompts), "new_tokens": args.new_tokens, "rounds": args.rounds, "dtype": args.dtype,
     }
     write(Path(args.out), payload)
-    print(f"{'mode':<22} {'A tok/s':>8} {'B tok/s':>8} {'B/A':>7} {'A ovh':>7} {'B ovh':>7} {'same':>5}")
+    print(f"{'mode':<22} {'B/A, A first':>13} {'B/A, B first':>13} {'B/A':>7} {'2nd/1st':>8} {'same':>6}")
     for mode, _ in modes:
-        ra, rb = results["a"][mode], results["b"][mode]
-        print(f"{mode:<22} {ra.tok_s:8.3f} {rb.tok_s:8.3f} {rb.tok_s / ra.tok_s:7.4f} "
-              f"{ra.overhead_ms_per_round_p50 or 0:6.2f}ms {rb.overhead_ms_per_round_p50 or 0:6.2f}ms "
-              f"{payload['same_tokens'][mode]:>3}/{len(prompts)}")
+        r = ratio[mode]
+        print(f"{mode:<22} {r[0]:13.4f} {r[1]:13.4f} {payload['b_over_a_tok_s'][mode]:7.4f} "
+              f"{payload['second_over_first_tok_s'][mode]:8.4f} {payload['same_tokens'][mode]:>3}/{2 * len(prompts)}")
     return 0
 
 

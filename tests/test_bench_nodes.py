@@ -110,9 +110,10 @@ def test_the_overlap_probe_runs_each_setting_and_auto_follows_the_placement(char
         assert all(ms > 0 for ms in run["first_token_ms"].values())
 
 
-def test_ab_runs_both_sides_side_by_side_and_a_setting_that_keeps_outputs_keeps_them(char_models, tmp_path):
-    """bench.ab: two deployments up at once, each prompt on both; the relay
-    changes where a draft starts, never a token (float32, greedy)."""
+def test_ab_runs_both_sides_in_both_start_orders_and_a_setting_that_keeps_outputs_keeps_them(char_models, tmp_path):
+    """bench.ab: two deployments up at once, each prompt on both, in two halves
+    (A started first, then B); the relay changes where a draft starts, never
+    a token (float32, greedy)."""
     from bench.ab import main
 
     out = tmp_path / "ab.json"
@@ -122,12 +123,16 @@ def test_ab_runs_both_sides_side_by_side_and_a_setting_that_keeps_outputs_keeps_
     assert code == 0
     result = json.loads(out.read_text())
     assert result["sides"]["b"]["orchestrator_args"] == "--relay on"
-    for which in "ab":
-        modes = result["sides"][which]["modes"]
-        assert set(modes) == {"b_sequential", "d_pipelined_adaptive"}
-        for name, mode in modes.items():
-            assert mode["prompts"] == 2 and mode["tokens"] == 20 and mode["tok_s"] > 0, (which, name)
-    assert result["sides"]["b"]["modes"]["b_sequential"]["relayed_draft_rate"] > 0  # B relayed, A did not
-    assert result["sides"]["a"]["modes"]["b_sequential"]["relayed_draft_rate"] == 0
-    assert result["same_tokens"] == {"b_sequential": 2, "d_pipelined_adaptive": 2}
-    assert set(result["b_over_a_tok_s"]) == {"b_sequential", "d_pipelined_adaptive"}
+    assert [half["started_first"] for half in result["halves"]] == ["a", "b"]
+    for half in result["halves"]:
+        for which in "ab":
+            modes = half["modes"][which]
+            assert set(modes) == {"b_sequential", "d_pipelined_adaptive"}
+            for name, mode in modes.items():
+                assert mode["prompts"] == 2 and mode["tokens"] == 20 and mode["tok_s"] > 0, (which, name)
+        assert half["modes"]["b"]["b_sequential"]["relayed_draft_rate"] > 0  # B relayed, A did not
+        assert half["modes"]["a"]["b_sequential"]["relayed_draft_rate"] == 0
+    assert result["same_tokens"] == {"b_sequential": 4, "d_pipelined_adaptive": 4}
+    for mode, (first, second) in result["b_over_a_tok_s_per_half"].items():
+        assert abs(result["b_over_a_tok_s"][mode] - (first * second) ** 0.5) < 1e-9
+        assert abs(result["second_over_first_tok_s"][mode] - (first / second) ** 0.5) < 1e-9
