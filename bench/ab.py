@@ -3,7 +3,7 @@
 An A/B of two `bench.nodes` runs, one after the other, compares two moments of
 the machine as much as two settings: the 2-core VMs in bench/RESULTS.md drift by
 10-40% over tens of minutes, and on a freshly started VM the target alone ran
-1.81 tok/s at first and 3.40 an hour later, without a change. Here both
+1.80 tok/s in one run and 3.39 half an hour later, with no change between. Here both
 deployments are up at once, each pinned as `make bench-nodes` pins its two
 nodes (target on the first core, draft on the second, one torch thread each),
 and every prompt runs through each mode on A and on B back to back, the order
@@ -12,7 +12,7 @@ a time; the other's services sit idle. It needs the memory of two (about 10 GB
 for the default pair).
 
 Where a deployment sits in memory matters too: on an AMX VM the deployment
-started second ran 3.5% and 10% faster than the first, whichever setting it had
+started second ran 3.5% and 9.9% faster than the first, whichever setting it had
 (bench/RESULTS.md). So the run has two halves, A started first, then B
 started first, and B over A is the geometric mean of the two halves' ratios,
 which cancels that bias; the bias itself is reported (second_over_first).
