@@ -31,6 +31,14 @@ def char_models(tmp_path_factory):
     return dirs
 
 
+def run_bench(main, char_models, out, *flags) -> dict:
+    """A benchmark's main() on the tiny pair (draft unquantized), and the JSON it wrote to `out`."""
+    code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", *flags,
+                 "--out", str(out)])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
 def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_models, tmp_path, monkeypatch):
     import bench.common
     from bench.nodes import main
@@ -45,11 +53,8 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
     monkeypatch.setattr(bench.common, "_hf_run", recorded_run)
 
     out = tmp_path / "nodes.json"
-    code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
-                 "--prompts", "code-1,prose-1", "--new-tokens", "12", "--fixed-ks", "2",
-                 "--whole-configs", "sequential:1,pipelined:1", "--out", str(out)])
-    assert code == 0
-    result = json.loads(out.read_text())
+    result = run_bench(main, char_models, out, "--prompts", "code-1,prose-1", "--new-tokens", "12", "--fixed-ks", "2",
+                       "--whole-configs", "sequential:1,pipelined:1")
     assert result["draft_backend"] == "model/lean"  # the draft service's own label, unquantized
     modes = result["modes"]
     assert {"a_target_one_core", "b_sequential", "c_pipelined_k2", "d_pipelined_adaptive", "e_target_both_cores",
@@ -80,11 +85,8 @@ def test_own_baseline_only_times_the_target_alone_in_tandems_kernels_only(char_m
     from bench.nodes import main
 
     out = tmp_path / "nodes.json"
-    code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
-                 "--prompts", "code-1", "--new-tokens", "8", "--fixed-ks", "2", "--skip", "e,f,g",
-                 "--own-baseline-only", "--out", str(out)])
-    assert code == 0
-    result = json.loads(out.read_text())
+    result = run_bench(main, char_models, out, "--prompts", "code-1", "--new-tokens", "8", "--fixed-ks", "2",
+                       "--skip", "e,f,g", "--own-baseline-only")
     assert len(result["baselines"]) == 1
     assert [name for name in result["modes"] if name.startswith("a_")] == ["a_target_one_core"]
     assert {"b_sequential", "c_pipelined_k2", "d_pipelined_adaptive"} <= set(result["modes"])
@@ -117,11 +119,8 @@ def test_ab_runs_both_sides_in_both_start_orders_and_a_setting_that_keeps_output
     from bench.ab import main
 
     out = tmp_path / "ab.json"
-    code = main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
-                 "--b-orchestrator-args", "--relay on", "--prompts", "code-1,prose-1", "--new-tokens", "10",
-                 "--modes", "b,d", "--out", str(out)])
-    assert code == 0
-    result = json.loads(out.read_text())
+    result = run_bench(main, char_models, out, "--b-orchestrator-args", "--relay on", "--prompts", "code-1,prose-1",
+                       "--new-tokens", "10", "--modes", "b,d")
     assert result["sides"]["b"]["orchestrator_args"] == "--relay on"
     assert [half["started_first"] for half in result["halves"]] == ["a", "b"]
     for half in result["halves"]:
