@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    letters = [m for m in args.modes.split(",") if m]
+    letters = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     if not letters or set(letters) - set(MODES) or args.rounds < 1 or args.new_tokens < 1 or args.k < 1:
         parser.error("--modes takes letters among b, c, d; --rounds, --new-tokens and --k must be >= 1")
     cores = sorted(os.sched_getaffinity(0))
