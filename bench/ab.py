@@ -113,11 +113,12 @@ def main(argv=None) -> int:
     # Each half starts both deployments, in its order, and runs every pass;
     # halves[h][which][mode] is a tally.
     halves = [{which: {name: TandemTally() for name, _ in modes} for which in "ab"} for _ in STARTS]
+    sides = {which: side(args, which) for which in "ab"}
     for started, tallies in zip(STARTS, halves):
         first, second = started
         print(f"half {'AB'.index(first.upper()) + 1} of 2: {first.upper()} starts first", flush=True)
-        with deployment(side(args, first), str(cores[0]), str(cores[1]), pinned=True) as d1, \
-                deployment(side(args, second), str(cores[0]), str(cores[1]), pinned=True) as d2, \
+        with deployment(sides[first], str(cores[0]), str(cores[1]), pinned=True) as d1, \
+                deployment(sides[second], str(cores[0]), str(cores[1]), pinned=True) as d2, \
                 TandemClient(d1.address, timeout_s=3600) as c1, TandemClient(d2.address, timeout_s=3600) as c2:
             clients = {first: c1, second: c2}
             for client in clients.values():  # first-call costs, and the costs the orchestrators learn from
@@ -136,8 +137,8 @@ def main(argv=None) -> int:
                for tallies in halves]
     ratio = {mode: [r["b"][mode].tok_s / r["a"][mode].tok_s for r in results] for mode, _ in modes}
     payload = {
-        "sides": {which: {"target_args": side(args, which).target_args, "draft_args": side(args, which).draft_args,
-                          "orchestrator_args": side(args, which).orchestrator_args} for which in "ab"},
+        "sides": {which: {"target_args": flags.target_args, "draft_args": flags.draft_args,
+                          "orchestrator_args": flags.orchestrator_args} for which, flags in sides.items()},
         "halves": [{"started_first": started[0], "modes": {which: {mode: _fields(r) for mode, r in result[which].items()}
                                                               for which in "ab"}}
                    for started, result in zip(STARTS, results)],

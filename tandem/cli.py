@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "the moment its verdict is known, so that after a rejection the draft starts one hop "
                            "and the orchestrator's work earlier; the target dials the draft at --relay-address. "
                            "Off by default: on two pinned cores it cut the overhead of a round after a rejection "
-                           "by 0.35-0.85 ms, but tokens/s was not shown to rise (README) (default: %(default)s)")
+                           "by 0.35-1.25 ms, but tokens/s was not shown to rise (README) (default: %(default)s)")
     orch.add_argument("--relay-address", default="",
                       help="the draft service's address as the target reaches it (default: --draft)")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",
