@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -32,6 +32,7 @@ class ProposeCall:
     sampling: SamplingParams
     return_dists: bool
     first_is_bonus_guess: bool
+    alternatives: bool = False  # greedy: also return the runner-up at each position
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Proposal:
     cropped: int
     compute_ms: float
     step_ms: float
+    alternatives: list[int] = field(default_factory=list)  # the runner-up at each position, when asked for and ranked
 
 
 class Drafter(Protocol):
@@ -79,9 +81,11 @@ def guess_then_fresh(cache: SessionCache, call: ProposeCall, propose_from) -> Pr
     if not rest.tokens:  # the history is the caller's prefix + new tokens, without the guess (the contract)
         cache.crop(len(cache) - 1)
     steps = [ms for ms in (guess.step_ms, rest.step_ms) if ms]
+    ranked = all(len(p.alternatives) == len(p.tokens) for p in (guess, rest))
     return Proposal(guess.tokens + rest.tokens, guess.token_probs + rest.token_probs, guess.dists + rest.dists,
                     guess.prefilled, guess.cropped, guess.compute_ms + (time.perf_counter() - start) * 1e3,
-                    sum(steps) / len(steps) if steps else 0.0)
+                    sum(steps) / len(steps) if steps else 0.0,
+                    guess.alternatives + rest.alternatives if ranked else [])
 
 
 class NgramDrafter:
@@ -188,7 +192,8 @@ class ModelDrafter:
 
     def _draft(self, cache: SessionCache, call: ProposeCall, cancelled: threading.Event, cropped: int,
                start: float) -> Proposal:
-        tokens, probs, dists, steps_ms = [], [], [], []
+        tokens, probs, dists, steps_ms, runners_up = [], [], [], [], []
+        ranks = call.alternatives and call.sampling.greedy
         self._cancelled = cancelled
         try:
             for i in range(call.num_tokens):
@@ -206,6 +211,8 @@ class ModelDrafter:
                 token, prob, dist = draw(logits, call, position=len(cache), first=i == 0)
                 steps_ms.append((time.perf_counter() - step_start) * 1e3)
                 tokens.append(token)
+                if ranks:
+                    runners_up.append(int(logits.topk(2).indices[1]))
                 if prob is not None:
                     probs.append(prob)
                     if call.return_dists:
@@ -221,7 +228,7 @@ class ModelDrafter:
         if len(call.new_tokens) > 1 and len(steps_ms) > 1:
             steps_ms = steps_ms[1:]  # the first step also prefilled: not a draft step's cost
         return Proposal(tokens, probs, dists, len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3,
-                        sum(steps_ms) / len(steps_ms) if steps_ms else 0.0)
+                        sum(steps_ms) / len(steps_ms) if steps_ms else 0.0, runners_up)
 
     def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
         start = time.perf_counter()

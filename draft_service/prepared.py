@@ -44,7 +44,7 @@ def history_key(call: ProposeCall) -> tuple:
     """What a prepared reply must share with the call that takes it."""
     length = call.prefix_len + len(call.new_tokens)
     return (length, fingerprint.extend(call.prefix_fp, call.new_tokens), call.num_tokens, call.sampling,
-            call.return_dists, call.first_is_bonus_guess)
+            call.return_dists, call.first_is_bonus_guess, call.alternatives)
 
 
 def skip_held(store: SessionCacheStore, call: ProposeCall) -> ProposeCall | None:

@@ -155,6 +155,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             sampling=sampling,
             return_dists=request.return_distributions,
             first_is_bonus_guess=request.first_is_bonus_guess,
+            alternatives=request.return_alternatives,
         )
 
     async def ProposeStream(self, calls, context):
@@ -237,6 +238,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 step_ms=proposal.step_ms,
                 handler_ms=taken.handler_ms if taken is not None else (time.perf_counter() - started) * 1e3,
                 prepared=taken is not None,
+                alternatives=proposal.alternatives,
             )
 
 

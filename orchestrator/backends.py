@@ -2,6 +2,7 @@
 and their gRPC clients. Both return frozen dataclasses."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +40,14 @@ class DraftBlock:
     handler_ms: float = 0.0  # in the service's handler, compute included (0: not reported)
     latency_ms: float = 0.0  # as seen by the orchestrator
     prepared: bool = False  # the target's relay began its drafting (DraftService.Prepare)
+    alternatives: list[int] = field(default_factory=list)  # greedy: a runner-up for each of the first tokens (a tree)
+
+    def with_tree(self, width: int) -> "DraftBlock":
+        """The block with the runner-ups of its first `width` tokens as the
+        alternatives to verify beside it (none when the drafter ranked none)."""
+        if len(self.alternatives) != len(self.tokens):
+            return dataclasses.replace(self, alternatives=[]) if self.alternatives else self
+        return dataclasses.replace(self, alternatives=self.alternatives[:width])
 
     def drop_first(self) -> "DraftBlock":
         """The block after its first token (the pre-drafted bonus guess)."""
@@ -49,6 +58,7 @@ class DraftBlock:
             compute_ms=self.compute_ms,
             step_ms=self.step_ms,
             handler_ms=self.handler_ms,
+            alternatives=self.alternatives[1:],
         )
 
 
@@ -56,6 +66,7 @@ class DraftBlock:
 class VerifyResult:
     accepted: int
     next_token: int
+    more_tokens: list[int] = field(default_factory=list)  # committed after next_token (an alternative was taken)
     prefilled: int = 0
     compute_ms: float = 0.0
     handler_ms: float = 0.0  # in the service's handler, compute included (0: not reported)
@@ -65,7 +76,7 @@ class VerifyResult:
 class Proposer(Protocol):
     async def propose(
         self, session_id: str, prefix: Prefix, new_tokens: list[int], k: int,
-        sampling: SamplingParams, bonus_guess: bool = False,
+        sampling: SamplingParams, bonus_guess: bool = False, alternatives: bool = False,
     ) -> DraftBlock: ...
 
     async def release(self, session_id: str) -> None: ...
@@ -77,11 +88,14 @@ class Verifier(Protocol):
     async def verify(
         self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
         sampling: SamplingParams, relay_k: int = 0, relay_all_accepted: bool = False,
+        relay_alternatives: bool = False,
     ) -> VerifyResult:
         """relay_k > 0, passed only to a verifier whose `relays` attribute is
         true (absent: false): after a rejection, and after a whole block too
         if relay_all_accepted, the target also sends the draft the call that
-        drafts relay_k tokens after its verdict (target_service.relay)."""
+        drafts relay_k tokens after its verdict (target_service.relay), asking
+        for runner-ups if relay_alternatives. The block's alternatives, if any,
+        are verified beside it (greedy)."""
 
     async def release(self, session_id: str) -> None: ...
 
@@ -152,7 +166,7 @@ class GrpcProposer(_GrpcClient):
         super().__init__(address, draft_pb2_grpc.DraftServiceStub, timeout_s, transport, "Propose",
                          draft_pb2.ProposeCall)
 
-    async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False):
+    async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False, alternatives=False):
         request = draft_pb2.ProposeRequest(
             session_id=session_id,
             prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
@@ -161,6 +175,7 @@ class GrpcProposer(_GrpcClient):
             sampling=sampling_to_proto(sampling),
             return_distributions=not sampling.greedy,
             first_is_bonus_guess=bonus_guess,
+            return_alternatives=alternatives,
         )
         start = time.perf_counter()
         reply = await self._call(request)
@@ -174,6 +189,7 @@ class GrpcProposer(_GrpcClient):
             handler_ms=reply.handler_ms,
             latency_ms=(time.perf_counter() - start) * 1e3,
             prepared=reply.prepared,
+            alternatives=list(reply.alternatives),
         )
 
 
@@ -188,7 +204,8 @@ class GrpcVerifier(_GrpcClient):
         self.relay_to = relay_to
         self.relays = bool(relay_to)
 
-    async def verify(self, session_id, prefix, new_tokens, block, sampling, relay_k=0, relay_all_accepted=False):
+    async def verify(self, session_id, prefix, new_tokens, block, sampling, relay_k=0, relay_all_accepted=False,
+                     relay_alternatives=False):
         request = target_pb2.VerifyRequest(
             session_id=session_id,
             prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
@@ -197,17 +214,21 @@ class GrpcVerifier(_GrpcClient):
             draft_probs=block.token_probs,
             draft_distributions=block.distributions,
             sampling=sampling_to_proto(sampling),
+            alternative_positions=range(len(block.alternatives)),
+            alternative_tokens=block.alternatives,
         )
         if relay_k and self.relay_to:
             request.relay.draft_address = self.relay_to
             request.relay.num_tokens = relay_k
             request.relay.return_distributions = not sampling.greedy
             request.relay.after_all_accepted = relay_all_accepted
+            request.relay.return_alternatives = relay_alternatives
         start = time.perf_counter()
         reply = await self._call(request)
         return VerifyResult(
             accepted=reply.accepted,
             next_token=reply.next_token,
+            more_tokens=list(reply.more_tokens),
             prefilled=reply.prefilled_tokens,
             compute_ms=reply.compute_ms,
             handler_ms=reply.handler_ms,

@@ -41,6 +41,7 @@ class Decoder:
         request_span=telemetry.NO_SPAN,
         breaker: DraftBreaker | None = None,
         prefill_overlap: bool = True,
+        tree_width: int = 0,
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -55,6 +56,10 @@ class Decoder:
         self.request_span = request_span  # parent of the round spans while tracing
         self.breaker = breaker if breaker is not None else DraftBreaker(enabled=False)
         self.prefill_overlap = prefill_overlap
+        # Greedy only: the draft's runner-ups of a block's first tree_width tokens
+        # are verified beside it (a token tree one level off the block).
+        self.tree_width = tree_width if sampling.greedy else 0
+        self._ranked = {"alternatives": True} if self.tree_width else {}  # what each draft call asks for
         self.stats = RoundStats()
         self._unlearned: tuple[int, int, float, float] | None = None  # a committed round the policy has not seen
         # The target relays each verdict's next draft call to the draft
@@ -98,7 +103,8 @@ class Decoder:
         with telemetry.child_span("tandem.draft", round_span, telemetry.SpanKind.CLIENT) as span:
             try:
                 block = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
-                    self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling))
+                    self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling,
+                    **self._ranked))
             except ServiceUnavailable as err:
                 if not self.breaker.trip(err):
                     raise
@@ -116,16 +122,20 @@ class Decoder:
     async def _verify(self, block: DraftBlock, round_span=telemetry.NO_SPAN, relay_k: int = 0,
                       relay_all_accepted: bool = False) -> VerifyResult:
         relay = {"relay_k": relay_k, "relay_all_accepted": relay_all_accepted} if relay_k else {}
+        if relay and self.tree_width:
+            relay["relay_alternatives"] = True
+        sent = block.with_tree(self.tree_width)
         with telemetry.child_span("tandem.verify", round_span, telemetry.SpanKind.CLIENT) as span:
             result = await self._resynced(self.target_view, span, lambda base: self.verifier.verify(
-                self.session_id, self.committed.prefix(base), self.committed.tokens[base:], block, self.sampling,
+                self.session_id, self.committed.prefix(base), self.committed.tokens[base:], sent, self.sampling,
                 **relay))
             if span.is_recording():
                 span.set_attributes({"tandem.k": len(block.tokens), "tandem.accepted": result.accepted,
                                      "tandem.prefilled": result.prefilled, "tandem.compute_ms": result.compute_ms})
         self.stats.target_prefill += result.prefilled
         self.target_view.length = len(self.committed)
-        self.target_view.tail = block.tokens[: result.accepted]
+        # The target holds the accepted tokens, and the alternative it took after them.
+        self.target_view.tail = block.tokens[: result.accepted] + [result.next_token] * bool(result.more_tokens)
         return result
 
     async def _predraft(self, block: DraftBlock, k: int, round_span=telemetry.NO_SPAN) -> DraftBlock | None:
@@ -142,6 +152,7 @@ class Decoder:
                     k + 1,
                     self.sampling,
                     bonus_guess=True,
+                    **self._ranked,
                 )
                 self.breaker.reset()
                 return pre
@@ -171,7 +182,7 @@ class Decoder:
             try:
                 pre = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
                     self.session_id, self.committed.prefix(base), self.committed.tokens[base:], n, self.sampling,
-                    bonus_guess=True))
+                    bonus_guess=True, **self._ranked))
                 self.breaker.reset()
                 return pre
             except ServiceCacheMiss:
@@ -203,7 +214,7 @@ class Decoder:
 
     # --- the rounds ---------------------------------------------------------
     def _commit(self, block: DraftBlock, result: VerifyResult) -> list[int]:
-        newly = block.tokens[: result.accepted] + [result.next_token]
+        newly = block.tokens[: result.accepted] + [result.next_token] + result.more_tokens
         before = len(self.committed)
         self.committed.extend(newly)
         self.draft_view.settle(before, newly)

@@ -50,6 +50,7 @@ class EngineConfig:
     # before it (False); None = auto: beside it unless the two services share
     # cores (Generation.cores_shared).
     prefill_overlap: bool | None = None
+    tree_width: int = 0  # greedy: a block's first tokens whose runner-up is verified beside it (Decoder)
 
 
 @dataclass
@@ -132,7 +133,7 @@ class Generation:
             ServiceView(record.draft_len), ServiceView(record.target_len),
             params.sampling, self.policy_for(params, pipeline), pipeline,
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
-            self.breaker, self.prefill_overlap(params),
+            self.breaker, self.prefill_overlap(params), self.config.tree_width,
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)
@@ -200,6 +201,7 @@ class Generation:
                 predraft_attempts=stats.predraft_attempts,
                 undrafted_rounds=stats.undrafted_rounds,
                 relayed_drafts=stats.relayed_drafts,
+                alternative_hits=stats.alternative_hits,
                 seed=params.sampling.seed,
                 total_ms=(time.perf_counter() - started) * 1e3,
                 first_token_ms=first_token_ms,

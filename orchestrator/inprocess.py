@@ -16,17 +16,18 @@ class InProcessProposer:
         self.drafter = drafter  # draft_service.drafters.Drafter
 
     async def propose(self, session_id: str, prefix: Prefix, new_tokens: list[int], k: int,
-                      sampling: SamplingParams, bonus_guess: bool = False) -> DraftBlock:
+                      sampling: SamplingParams, bonus_guess: bool = False, alternatives: bool = False) -> DraftBlock:
         from draft_service.drafters import ProposeCall
 
         call = ProposeCall(session_id, prefix.length, prefix.fingerprint, list(new_tokens), k, sampling,
-                           not sampling.greedy, bonus_guess)
+                           not sampling.greedy, bonus_guess, alternatives)
         try:
             proposal = self.drafter.propose(call, threading.Event())
         except CacheMiss as miss:
             raise ServiceCacheMiss(str(miss)) from None
         return DraftBlock(proposal.tokens, proposal.token_probs, [encode_distribution(d) for d in proposal.dists],
-                          proposal.prefilled, proposal.compute_ms, proposal.step_ms)
+                          proposal.prefilled, proposal.compute_ms, proposal.step_ms,
+                          alternatives=proposal.alternatives)
 
     async def release(self, session_id: str) -> None:
         self.drafter.store.release(session_id)
@@ -44,12 +45,13 @@ class InProcessVerifier:
 
         dists = torch.stack([decode_distribution(d) for d in block.distributions]) if block.distributions else None
         call = VerifyCall(session_id, prefix.length, prefix.fingerprint, list(new_tokens), list(block.tokens),
-                          list(block.token_probs), dists, sampling)
+                          list(block.token_probs), dists, sampling, tuple(enumerate(block.alternatives)))
         try:
             outcome = self.verifier.verify(call)
         except CacheMiss as miss:
             raise ServiceCacheMiss(str(miss)) from None
-        return VerifyResult(outcome.accepted, outcome.next_token, outcome.prefilled, outcome.compute_ms)
+        return VerifyResult(outcome.accepted, outcome.next_token, list(outcome.more_tokens), outcome.prefilled,
+                            outcome.compute_ms)
 
     async def release(self, session_id: str) -> None:
         self.verifier.store.release(session_id)

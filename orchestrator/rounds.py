@@ -26,6 +26,7 @@ class RoundStats:
     predraft_attempts: int = 0
     undrafted_rounds: int = 0  # rounds on the target alone: the draft service was unavailable
     relayed_drafts: int = 0  # blocks drafted after a verify whose drafting the target's relay began
+    alternative_hits: int = 0  # rounds that took an alternative verified beside the block (a tree)
     overhead_ms: list[float] = field(default_factory=list)
     overhead_predrafted_ms: list[float] = field(default_factory=list)  # the next block was pre-drafted
     overhead_drafted_after_ms: list[float] = field(default_factory=list)  # it was drafted after the reply
@@ -38,7 +39,8 @@ class RoundStats:
     def record(self, block: DraftBlock, result: VerifyResult) -> None:
         k = len(block.tokens)
         self.rounds += 1
-        self.tokens_per_round.append(result.accepted + 1)
+        self.tokens_per_round.append(result.accepted + 1 + len(result.more_tokens))
+        self.alternative_hits += bool(result.more_tokens)
         self.drafted += k
         self.accepted += result.accepted
         self.rejected_rounds += result.accepted < k

@@ -26,6 +26,7 @@ TENANT_KEY = "x-tandem-tenant"
 DEFAULT_TENANT = "default"
 DRAFT_GRACE_S = 30.0  # at start, how long the draft service may lag the target before serving without it
 PAIR_POLL_S = 2.0  # then, how often to ask it again
+MAX_TREE_WIDTH = 16  # alternatives a verify carries at most
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,17 @@ class OrchestratorConfig:
     # raise tokens/s (README, --relay).
     relay: bool = False
     relay_address: str = ""
+    # Greedy requests: the draft's runner-ups of a block's first tree_width
+    # tokens are verified beside it, in the same forward (a token tree one
+    # level off the block); where the target's token at the first rejection is
+    # the runner-up there, the round commits one token more. 0 = off.
+    tree_width: int = 0
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
             raise ValueError("default_max_tokens and session_ttl_s must be >= 1")
+        if not 0 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ValueError(f"tree_width must be in [0, {MAX_TREE_WIDTH}], got {self.tree_width}")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0 (0: no limit), got {self.max_concurrent_requests}")
         if not self.service_timeout_s > 0:
@@ -113,7 +121,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.generation = Generation(
             self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
             EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback,
-                         self.config.prefill_overlap),
+                         self.config.prefill_overlap, self.config.tree_width),
         )
         self.pair_error = None
         if draft is None:
@@ -333,6 +341,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                       else self.config.pipeline),
             pipeline_auto=self.config.pipeline is None,
             relay=self.config.relay,
+            tree_width=self.config.tree_width,
             has_tokenizer=self.tokenizer is not None,
             prefill_overlap=self.generation.prefill_overlap(),
         )

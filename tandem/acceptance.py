@@ -9,6 +9,10 @@ Every round yields exactly one target token (a correction or a bonus), so it
 commits between 1 and k+1 tokens.
 
 Greedy: draft token i is accepted while it equals argmax of the target.
+With alternatives (a token tree one level off the block): at the first
+rejected position j, if an alternative verified there equals the target's
+token, the round also commits the target's token after that alternative.
+Every committed token is still the target's argmax after the tokens before it.
 Sampling (Leviathan et al. 2023, Chen et al. 2023): accept draft token x with
 probability min(1, target_probs(x) / draft_probs(x)); at the first rejection
 draw from norm(max(0, target_probs - draft_dist)); if all pass, draw the bonus
@@ -29,6 +33,8 @@ from tandem.sampling import sample
 class Verdict:
     accepted: int  # draft tokens accepted, 0..k
     next_token: int  # correction (accepted < k) or bonus (accepted == k)
+    taken: int | None = None  # index of the alternative that next_token is (greedy trees), else None
+    more_tokens: tuple[int, ...] = ()  # committed after next_token: the target's token after the alternative taken
 
 
 def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> Verdict:
@@ -40,6 +46,19 @@ def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> 
             break
         accepted += 1
     return Verdict(accepted, int(target_argmax[accepted]))
+
+
+def verify_greedy_tree(draft_tokens: Sequence[int], target_argmax: Sequence[int],
+                       alternatives: Sequence[tuple[int, int]], alternative_argmax: Sequence[int]) -> Verdict:
+    """alternatives: (position j, token) pairs, at most one a position, each
+    verified in place of draft token j; alternative_argmax: the target's argmax
+    after each alternative."""
+    assert len(alternative_argmax) == len(alternatives)
+    verdict = verify_greedy(draft_tokens, target_argmax)
+    for i, (position, token) in enumerate(alternatives):
+        if position == verdict.accepted and token == verdict.next_token:
+            return Verdict(verdict.accepted, verdict.next_token, i, (int(alternative_argmax[i]),))
+    return verdict
 
 
 def verify_sampled(

@@ -192,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "and the orchestrator's work earlier; the target dials the draft at --relay-address. "
                            "Off by default: on two pinned cores it cut the overhead of a round after a rejection "
                            "by 0.35-1.25 ms, but tokens/s was not shown to rise (README) (default: %(default)s)")
+    orch.add_argument("--tree-width", type=int, default=0,
+                      help="greedy requests: verify the draft's runner-up for each of a block's first N tokens "
+                           "beside the block, in the same forward (a token tree one level off it); where the "
+                           "target's token at the first rejection is that runner-up, the round commits one token "
+                           "more. Costs the target N more rows a verify, so it pays where a verify's cost barely "
+                           "grows with its rows (bf16 with AMX); ignored by a target on --linear bf16dot; "
+                           "0 = off (default: %(default)s)")
     orch.add_argument("--relay-address", default="",
                       help="the draft service's address as the target reaches it (default: --draft)")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",
@@ -277,7 +284,7 @@ def _serve(args) -> None:
                 default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
-                relay=args.relay == "on", relay_address=args.relay_address,
+                relay=args.relay == "on", relay_address=args.relay_address, tree_width=args.tree_width,
             )
             server, port, health, servicer = build_server(address, config)
             await servicer.connect(wait_s=args.wait)

@@ -268,6 +268,57 @@ class ModelRunner:
             return torch.cat([first, self.forward(cache, tokens[before:], logits_to_keep=k)])
         return self.forward(cache, tokens, logits_to_keep=k + 1)
 
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether forward_tree may run: the model attends through a mask (a row-by-row
+        model assumes each row sees every key before its own)."""
+        return not self.attends_row_by_row
+
+    @torch.inference_mode()
+    def forward_tree(self, cache: DynamicCache, tokens: list[int], k: int,
+                     alternatives: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like forward_block, with alternative tokens beside the block: each
+        (j, token) stands in for the block's token j, seeing what token j sees
+        (the tokens before it) but not token j nor the block after it. Appends
+        tokens and then the alternatives to the cache, in one forward.
+
+        Returns ([k + 1, vocab] logits of the block as forward_block's, and
+        [len(alternatives), vocab] logits after each alternative). The cache then
+        holds the alternatives' keys and values after the block's; keep_path
+        moves the one a verdict takes into place."""
+        assert k >= 1 and len(tokens) >= k + 1 and alternatives, (len(tokens), k, alternatives)
+        past = cache.get_seq_length()
+        rows = len(tokens) + len(alternatives)
+        mask = torch.ones(rows, past + rows, dtype=torch.bool, device=self.device).tril(past)
+        positions = list(range(past, past + len(tokens)))
+        first = past + len(tokens) - k  # absolute position of the block's token 0
+        for i, (j, _) in enumerate(alternatives):
+            assert 0 <= j < k, (j, k)
+            row = len(tokens) + i
+            mask[row, first + j:] = False  # not token j nor anything after it...
+            mask[row, past + row] = True  # ...but itself
+            positions.append(first + j)
+        input_ids = torch.tensor([tokens + [t for _, t in alternatives]], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, attention_mask=mask[None, None],
+                         position_ids=torch.tensor([positions], device=self.device), use_cache=True,
+                         logits_to_keep=k + 1 + len(alternatives), **{self._cache_kwarg: cache})
+        logits = out.logits[0].float()
+        return logits[: k + 1], logits[k + 1:]
+
+    @staticmethod
+    @torch.inference_mode()
+    def keep_path(cache: DynamicCache, keep: int, moved_from: int | None = None) -> None:
+        """Crops the cache to its first `keep` positions; with moved_from, the
+        keys and values at that position (an alternative of forward_tree) first
+        replace position keep - 1."""
+        for layer in cache.layers:
+            if moved_from is not None:
+                layer.keys[:, :, keep - 1] = layer.keys[:, :, moved_from]
+                layer.values[:, :, keep - 1] = layer.values[:, :, moved_from]
+            extra = layer.get_seq_length() - keep
+            if extra > 0:
+                layer.crop(-extra)
+
     @torch.inference_mode()
     def last_hidden(self, cache: DynamicCache, tokens: list[int]) -> torch.Tensor:
         """Appends tokens to the cache; returns the [hidden] state of the last one,

@@ -70,6 +70,15 @@ class SessionCache:
             self.kv_len = length
         return max(dropped, 0)
 
+    def rewrite_tail(self, length: int, tokens: list[int]) -> None:
+        """The history becomes its first `length` tokens, then `tokens`, all in
+        kv: for a caller that has already put kv in that state (a verify that
+        kept one path of a token tree)."""
+        del self.tokens[length:]
+        del self.fps[length:]
+        self.append(tokens)
+        self.kv_len = len(self.tokens)
+
     def drop_partial_step(self) -> bool:
         """After a forward that stopped between layers: every layer back to the
         kv_len tokens it held before. False when a layer cannot be trusted to

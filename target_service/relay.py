@@ -32,10 +32,10 @@ RETRY_S = 1.0
 MAX_ADDRESSES = 8
 
 
-def next_request(request, accepted: int, next_token: int) -> draft_pb2.ProposeRequest:
+def next_request(request, accepted: int, next_token: int, more_tokens=()) -> draft_pb2.ProposeRequest:
     """The Propose request after the verdict of `request` (a VerifyRequest with
     a relay): the history the verify named, the accepted draft tokens and the
-    target's token. The draft holds the history and all but the last draft
+    target's token (and the one after it, where that was an alternative). The draft holds the history and all but the last draft
     token (it drafted them), so the request names that much as its prefix."""
     history = request.prefix.length + len(request.new_tokens)
     held = min(accepted, len(request.draft_tokens) - 1)
@@ -44,10 +44,11 @@ def next_request(request, accepted: int, next_token: int) -> draft_pb2.ProposeRe
     return draft_pb2.ProposeRequest(
         session_id=request.session_id,
         prefix=common_pb2.PrefixRef(length=history + held, fingerprint=fp),
-        new_tokens=draft[held:accepted] + [next_token],
+        new_tokens=draft[held:accepted] + [next_token, *more_tokens],
         num_tokens=request.relay.num_tokens,
         sampling=request.sampling,
         return_distributions=request.relay.return_distributions,
+        return_alternatives=request.relay.return_alternatives,
     )
 
 

@@ -61,6 +61,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                 raise InvalidRequest("a draft token lies outside its draft distribution's vocab_size")
             draft_dists = torch.stack(dists)
         return VerifyCall(
+            alternatives=self._alternatives(request, draft_tokens, sampling),
             session_id=request.session_id,
             prefix_len=request.prefix.length,
             prefix_fp=request.prefix.fingerprint,
@@ -70,6 +71,21 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             draft_dists=draft_dists,
             sampling=sampling,
         )
+
+    def _alternatives(self, request, draft_tokens: list[int], sampling) -> tuple[tuple[int, int], ...]:
+        """VerifyRequest.alternative_* as (position, token) pairs, checked."""
+        positions, tokens = list(request.alternative_positions), list(request.alternative_tokens)
+        if not positions and not tokens:
+            return ()
+        if len(positions) != len(tokens):
+            raise InvalidRequest(f"{len(positions)} alternative_positions for {len(tokens)} alternative_tokens")
+        if not sampling.greedy:
+            raise InvalidRequest("alternatives are verified under greedy decoding only (temperature 0)")
+        if len(set(positions)) != len(positions) or max(positions) >= len(draft_tokens):
+            raise InvalidRequest(f"alternative_positions must be distinct positions of the {len(draft_tokens)} "
+                                 f"draft tokens, got {positions}")
+        tokens = self.check_tokens(tokens, "alternative_tokens", self.info.vocab_size)
+        return tuple(zip(positions, tokens))
 
     async def VerifyStream(self, calls, context):
         """Verify calls multiplexed on one stream (tandem.multiplex)."""
@@ -85,12 +101,13 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": len(call.draft_tokens)})
             outcome = await self.run_checked(context, self.verifier.verify, call,
-                                             rows=len(call.new_tokens) + len(call.draft_tokens))
+                                             rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
             self.prefill_tokens += outcome.prefilled
             relay = request.relay
             if (call.draft_tokens and relay.draft_address and relay.num_tokens
                     and (outcome.accepted < len(call.draft_tokens) or relay.after_all_accepted)):
-                self.relay.send(relay.draft_address, next_request(request, outcome.accepted, outcome.next_token))
+                self.relay.send(relay.draft_address,
+                                next_request(request, outcome.accepted, outcome.next_token, outcome.more_tokens))
             if outcome.prefilled <= 1 and call.draft_tokens:  # as the orchestrator's verify_ms_p50
                 telemetry.instruments().verify_compute.record(outcome.compute_ms * 1e-3)
             if span.is_recording():
@@ -103,6 +120,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                 cropped_tokens=outcome.cropped,
                 compute_ms=outcome.compute_ms,
                 handler_ms=(time.perf_counter() - started) * 1e3,
+                more_tokens=outcome.more_tokens,
             )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem import rng
-from tandem.acceptance import verify_greedy, verify_sampled
+from tandem.acceptance import Verdict, verify_greedy, verify_greedy_tree, verify_sampled
 from tandem.modeling import ModelRunner
 from tandem.sampling import SamplingParams, logits_to_probs
 from tandem.session_cache import SessionCacheStore
@@ -27,6 +27,7 @@ class VerifyCall:
     draft_probs: list[float]  # [k], empty under greedy
     draft_dists: torch.Tensor | None  # [k, vocab] or None
     sampling: SamplingParams
+    alternatives: tuple[tuple[int, int], ...] = ()  # greedy: (draft position, token) verified beside the block
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class VerifyOutcome:
     prefilled: int
     cropped: int
     compute_ms: float
+    more_tokens: tuple[int, ...] = ()  # committed after next_token (an alternative was taken)
 
 
 class Verifier:
@@ -49,25 +51,19 @@ class Verifier:
         k = len(call.draft_tokens)
         first_draft_pos = len(cache) + len(call.new_tokens)  # absolute position of draft token 0
         cache.append(call.new_tokens + call.draft_tokens)
+        tree = bool(call.alternatives and k and call.sampling.greedy and self.runner.verifies_trees)
         try:
-            logits = self.runner.forward_block(cache.kv, cache.unfed(), k)  # [k+1, vocab]
-            cache.mark_fed()
+            if tree:
+                verdict = self._verify_tree(cache, call, first_draft_pos)
+            else:
+                logits = self.runner.forward_block(cache.kv, cache.unfed(), k)  # [k+1, vocab]
+                cache.mark_fed()
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused
             raise
-        if call.sampling.greedy:
-            verdict = verify_greedy(call.draft_tokens, logits.argmax(dim=-1).tolist())
-        else:
-            seed = call.sampling.seed
-            verdict = verify_sampled(
-                call.draft_tokens,
-                call.draft_probs,
-                None if call.draft_dists is None else call.draft_dists.to(logits.device),
-                logits_to_probs(logits, call.sampling),
-                rng.uniforms(seed, rng.ACCEPT, first_draft_pos, k),
-                rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),
-            )
-        cache.crop(first_draft_pos + verdict.accepted)
+        if not tree:
+            verdict = self._verdict(call, logits, first_draft_pos)
+            cache.crop(first_draft_pos + verdict.accepted)
         self.store.enforce_budget(keep=call.session_id)
         return VerifyOutcome(
             accepted=verdict.accepted,
@@ -75,4 +71,36 @@ class Verifier:
             prefilled=len(call.new_tokens),
             cropped=cropped,
             compute_ms=(time.perf_counter() - start) * 1e3,
+            more_tokens=verdict.more_tokens,
         )
+
+    @staticmethod
+    def _verdict(call: VerifyCall, logits: torch.Tensor, first_draft_pos: int) -> Verdict:
+        if call.sampling.greedy:
+            return verify_greedy(call.draft_tokens, logits.argmax(dim=-1).tolist())
+        k, seed = len(call.draft_tokens), call.sampling.seed
+        return verify_sampled(
+            call.draft_tokens,
+            call.draft_probs,
+            None if call.draft_dists is None else call.draft_dists.to(logits.device),
+            logits_to_probs(logits, call.sampling),
+            rng.uniforms(seed, rng.ACCEPT, first_draft_pos, k),
+            rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),
+        )
+
+    def _verify_tree(self, cache, call: VerifyCall, first_draft_pos: int) -> Verdict:
+        """The block and its alternatives in one forward; the cache keeps the
+        path the verdict takes: the accepted draft tokens, and the alternative
+        taken after them (its keys and values moved into place)."""
+        k = len(call.draft_tokens)
+        chain, after_alternatives = self.runner.forward_tree(cache.kv, cache.unfed(), k, list(call.alternatives))
+        verdict = verify_greedy_tree(call.draft_tokens, chain.argmax(dim=-1).tolist(), call.alternatives,
+                                     after_alternatives.argmax(dim=-1).tolist())
+        keep = first_draft_pos + verdict.accepted
+        if verdict.taken is None:
+            self.runner.keep_path(cache.kv, keep)
+            cache.rewrite_tail(keep, [])
+        else:  # the alternative's keys and values sit after the block's
+            self.runner.keep_path(cache.kv, keep + 1, moved_from=first_draft_pos + k + verdict.taken)
+            cache.rewrite_tail(keep, [verdict.next_token])
+        return verdict

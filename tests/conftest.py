@@ -71,7 +71,7 @@ class Cluster:
                  draft_options=None, k: int = 4, adaptive: bool = False, pipeline: bool = True,
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
-                 inline_compute: str = "auto", relay: bool = True, relay_address: str = ""):
+                 inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int = 0):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         self.loop = asyncio.new_event_loop()
@@ -83,7 +83,8 @@ class Cluster:
                            draft_fallback=draft_fallback, redis_url=redis_url,
                            max_concurrent_requests=max_concurrent_requests, tokenizer=tokenizer,
                            prefill_overlap=prefill_overlap, target_linear=target_linear,
-                           inline_compute=inline_compute, relay=relay, relay_address=relay_address)
+                           inline_compute=inline_compute, relay=relay, relay_address=relay_address,
+                           tree_width=tree_width)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -114,7 +115,7 @@ class Cluster:
             policy=KPolicyConfig(k=p["k"], k_min=1, k_max=8, adaptive=p["adaptive"]), pipeline=p["pipeline"],
             draft_fallback=p["draft_fallback"], max_concurrent_requests=p["max_concurrent_requests"],
             tokenizer=p["tokenizer"], prefill_overlap=p["prefill_overlap"], relay=p["relay"],
-            relay_address=p["relay_address"],
+            relay_address=p["relay_address"], tree_width=p["tree_width"],
         )
         orch, orch_port, _, self.orchestrator = build_orch("127.0.0.1:0", config)
         await orch.start()

@@ -5,21 +5,42 @@ import torch
 from scipy.stats import chisquare
 
 from tandem import rng
-from tandem.acceptance import verify_greedy, verify_sampled
+from tandem.acceptance import Verdict, verify_greedy, verify_greedy_tree, verify_sampled
 from tandem.sampling import SamplingParams, logits_to_probs, sample
 
 
 def test_greedy_accepts_matching_prefix_then_corrects():
-    assert verify_greedy([3, 5, 7], [3, 5, 1, 9]).__dict__ == {"accepted": 2, "next_token": 1}
+    assert verify_greedy([3, 5, 7], [3, 5, 1, 9]) == Verdict(2, 1)
 
 
 def test_greedy_all_accepted_gives_bonus():
-    assert verify_greedy([3, 5], [3, 5, 8]).__dict__ == {"accepted": 2, "next_token": 8}
+    assert verify_greedy([3, 5], [3, 5, 8]) == Verdict(2, 8)
+
+
+def test_greedy_tree_takes_the_alternative_that_is_the_correction():
+    # Draft 3 5 7; the target keeps 3 5 and wants 1 where the draft put 7. An
+    # alternative 1 at position 2 was verified: it is kept, and the target's
+    # token after it (4) is committed too.
+    alternatives = [(0, 2), (1, 6), (2, 1)]
+    verdict = verify_greedy_tree([3, 5, 7], [3, 5, 1, 9], alternatives, [11, 12, 4])
+    assert verdict == Verdict(2, 1, taken=2, more_tokens=(4,))
+
+
+def test_greedy_tree_ignores_alternatives_elsewhere_or_wrong():
+    # The correction at position 1 is 8: the alternative there (6) is not it, and
+    # the one at position 0 (2) lies before the rejection.
+    assert verify_greedy_tree([3, 5, 7], [3, 8, 1, 9], [(0, 2), (1, 6)], [11, 12]) == Verdict(1, 8)
+    # The correction's token (1) as an alternative at another position: not taken.
+    assert verify_greedy_tree([3, 5, 7], [3, 1, 1, 9], [(2, 1)], [4]) == Verdict(1, 1)
+    # All accepted: the bonus, whatever the alternatives.
+    assert verify_greedy_tree([3, 5], [3, 5, 8], [(0, 8), (1, 8)], [1, 2]) == Verdict(2, 8)
+    # Rejected at 0, the alternative there is the correction.
+    assert verify_greedy_tree([3, 5], [2, 5, 8], [(0, 2)], [7]) == Verdict(0, 2, taken=0, more_tokens=(7,))
 
 
 def test_greedy_first_rejected_and_empty_block():
-    assert verify_greedy([4], [2, 9]).__dict__ == {"accepted": 0, "next_token": 2}
-    assert verify_greedy([], [6]).__dict__ == {"accepted": 0, "next_token": 6}
+    assert verify_greedy([4], [2, 9]) == Verdict(0, 2)
+    assert verify_greedy([], [6]) == Verdict(0, 6)
 
 
 TARGET = torch.tensor([0.05, 0.40, 0.05, 0.30, 0.15, 0.05], dtype=torch.float64)

@@ -130,6 +130,14 @@ def test_model_services_check_their_input(random_cluster):
                                      sampling=common_pb2.SamplingParams(temperature=1.0)),  # no draft probs
             target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1] * 600),  # past the context
             *[_sampled_verify(prefix, dists, probs) for dists, probs in BAD_DRAFT_DISTRIBUTIONS],
+            # Alternatives: under sampling, unpaired, twice at one position, past the block, outside the vocabulary.
+            target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1], draft_tokens=[5, 6],
+                                     draft_probs=[1.0, 1.0], draft_distributions=[ONE_HOT_5, ONE_HOT_5],
+                                     sampling=common_pb2.SamplingParams(temperature=1.0),
+                                     alternative_positions=[0], alternative_tokens=[7]),
+            *[target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1], draft_tokens=[5, 6],
+                                       alternative_positions=positions, alternative_tokens=tokens)
+              for positions, tokens in (([0, 1], [7]), ([1, 1], [7, 8]), ([2], [7]), ([0], [1000]))],
         ]
         for request in bad:
             assert _code(lambda: target.Verify(request)) == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,112 @@
+"""Alternatives verified beside a block (--tree-width): the target's forward of a
+one-level token tree, the path a verdict keeps, and end to end the output still
+equals the target alone while rounds take alternatives."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from draft_service.drafters import ModelDrafter, ProposeCall
+from tandem.modeling import ModelConfig, ModelRunner, load
+from tandem.sampling import SamplingParams
+from tandem.session_cache import SessionCacheStore
+from tests.conftest import Cluster, reference_greedy
+
+PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6], [10, 20, 30, 40, 50, 60, 10, 20], list(range(5, 45, 2)))
+
+
+@pytest.fixture(scope="module")
+def near_draft(tiny_models, tmp_path_factory):
+    """The target with noise on its weights: a draft that agrees with it often,
+    and whose runner-up is often the target's token where it does not."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator) * param.std() * 0.5
+            param.add_(noise).copy_(param.bfloat16().float())
+    path = tmp_path_factory.mktemp("near")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _runner(model_dir: str) -> ModelRunner:
+    return ModelRunner(load(ModelConfig(model_dir, dtype="float32")), "cpu")
+
+
+def test_forward_tree_gives_each_row_what_its_own_sequence_gives(tiny_models):
+    runner = _runner(tiny_models["target"])
+    prompt, block = [3, 1, 4, 1, 5, 9], [7, 8, 9, 10]
+    alternatives = [(0, 20), (1, 21), (3, 23)]
+
+    def fresh():
+        cache = runner.new_cache()
+        runner.forward(cache, prompt, 1)
+        return cache
+
+    tree_cache = fresh()
+    chain, after = runner.forward_tree(tree_cache, [2] + block, len(block), alternatives)
+    reference = runner.forward_block(fresh(), [2] + block, len(block))
+    torch.testing.assert_close(chain, reference, atol=1e-4, rtol=0)
+    assert tree_cache.get_seq_length() == len(prompt) + 1 + len(block) + len(alternatives)
+    for i, (position, token) in enumerate(alternatives):
+        own = runner.forward_block(fresh(), [2] + block[:position] + [token], position + 1)[-1]
+        torch.testing.assert_close(after[i], own, atol=1e-4, rtol=0)
+        # Keep the path through alternative i: the cache then decodes as one fed that path.
+        kept = fresh()
+        runner.forward_tree(kept, [2] + block, len(block), alternatives)
+        keep = len(prompt) + 1 + position + 1
+        runner.keep_path(kept, keep, moved_from=len(prompt) + 1 + len(block) + i)
+        path = fresh()
+        runner.forward(path, [2] + block[:position] + [token], 1)
+        assert kept.get_seq_length() == path.get_seq_length() == keep
+        torch.testing.assert_close(runner.forward(kept, [11], 1), runner.forward(path, [11], 1), atol=1e-4, rtol=0)
+
+
+def test_the_draft_ranks_a_runner_up_for_each_token_it_proposes(tiny_models, near_draft):
+    runner = _runner(near_draft)
+    drafter = ModelDrafter(runner, SessionCacheStore(runner.new_cache))
+    call = ProposeCall("s", 0, 0, [3, 1, 4, 1, 5], 4, SamplingParams(), False, False, alternatives=True)
+    proposal = drafter.propose(call, cancelled=__import__("threading").Event())
+    assert len(proposal.alternatives) == len(proposal.tokens) == 4
+    history = [3, 1, 4, 1, 5]
+    model = AutoModelForCausalLM.from_pretrained(near_draft, dtype=torch.float32).eval()
+    for token, runner_up in zip(proposal.tokens, proposal.alternatives):
+        with torch.inference_mode():
+            logits = model(torch.tensor([history])).logits[0, -1]
+        assert [token, runner_up] == logits.topk(2).indices.tolist()
+        history.append(token)
+    unasked = drafter.propose(ProposeCall("t", 0, 0, [3, 1, 4, 1, 5], 4, SamplingParams(), False, False),
+                              cancelled=__import__("threading").Event())
+    assert unasked.tokens == proposal.tokens and unasked.alternatives == []
+
+
+@pytest.mark.parametrize("relay", [False, True])
+def test_rounds_take_alternatives_and_stay_exact(tiny_models, near_draft, relay):
+    cluster = Cluster(tiny_models["target"], near_draft, tree_width=4, relay=relay)
+    try:
+        with cluster.client() as client:
+            assert client.server_info().tree_width == 4
+            hits = rounds = committed = 0
+            for prompt in PROMPTS:
+                for pipeline in (False, True):
+                    result = client.generate(prompt_ids=prompt, max_tokens=32, num_draft_tokens=4, pipeline=pipeline)
+                    assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 32)
+                    hits += result.stats.alternative_hits
+                    rounds += result.stats.rounds
+                    committed += len(result.token_ids)
+            # Each alternative taken commits two tokens where the block alone would commit one.
+            assert hits > 0, "no round took an alternative"
+            assert committed <= rounds * 5 + hits  # at most k + 1 a round, one more with an alternative
+            # A chat's second turn goes on from the caches the alternatives' rounds left.
+            session = client.create_session()
+            first = client.chat(session, message_ids=PROMPTS[0], max_tokens=20, num_draft_tokens=4)
+            second = client.chat(session, message_ids=[7, 7, 7], max_tokens=20, num_draft_tokens=4)
+            client.delete_session(session)
+            assert second.stats.cache_misses == 0
+            history = PROMPTS[0] + first.token_ids + [7, 7, 7]
+            assert second.token_ids == reference_greedy(tiny_models["target"], history, 20)
+            # Sampling verifies the block alone: no alternatives are sent.
+            sampled = client.generate(prompt_ids=PROMPTS[0], max_tokens=16, temperature=1.0, seed=5)
+            assert sampled.stats.alternative_hits == 0 and len(sampled.token_ids) == 16
+    finally:
+        cluster.stop()
