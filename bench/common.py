@@ -64,6 +64,9 @@ class ModeResult:
     # Tandem: of the blocks drafted after a verify's reply, the fraction whose
     # drafting the target's relay began (SpeculationStats.relayed_drafts; --relay)
     relayed_draft_rate: float | None = None
+    # Tandem: the fraction of rounds that took an alternative verified beside
+    # their block (SpeculationStats.alternative_hits; --tree-width)
+    alternative_hit_rate: float | None = None
     outputs: dict = field(default_factory=dict)
 
 
@@ -205,6 +208,7 @@ class TandemTally:
     first_tokens: list[float] = field(default_factory=list)
     pipelined: int = 0
     relayed: int = 0
+    alternative_hits: int = 0
 
     def time(self, client, name: str, ids: list[int], new_tokens: int, **params) -> None:
         """One prompt through the orchestrator, greedy, timed and folded in."""
@@ -222,6 +226,7 @@ class TandemTally:
         self.hits += s.predraft_hits
         self.pipelined += s.pipelined
         self.relayed += s.relayed_drafts
+        self.alternative_hits += s.alternative_hits
         self.attempts += s.predraft_attempts
         self.k_sum += s.mean_k * s.rounds
         _add_counts(self.rounds_per_k, s.rounds_per_k)
@@ -254,9 +259,11 @@ class TandemTally:
         total = self.accepted + self.rejected
         alpha = self.accepted / total if total else 0.0
         r.acceptance_rate = alpha
-        # What the rounds committed (accepted + 1 each), as τ predicts; the tokens kept
+        # What the rounds committed (accepted + 1 each, one more where an alternative
+        # was taken, which τ of the block alone does not count); the tokens kept
         # are fewer where max_tokens cut a prompt's last round.
-        r.tokens_per_round = (self.accepted + rounds) / rounds if rounds else 0.0
+        r.tokens_per_round = (self.accepted + rounds + self.alternative_hits) / rounds if rounds else 0.0
+        r.alternative_hit_rate = self.alternative_hits / rounds if rounds else None
         r.theory_tokens_per_round = theory_tokens_per_round(alpha, self.rounds_per_k)
         r.predraft_hit_rate = self.hits / self.attempts if self.attempts else None
         r.overhead_ms_per_round_p50 = median(self.overheads)

@@ -57,13 +57,15 @@ class OrchestratorConfig:
     # Greedy requests: the draft's runner-ups of a block's first tree_width
     # tokens are verified beside it, in the same forward (a token tree one
     # level off the block); where the target's token at the first rejection is
-    # the runner-up there, the round commits one token more. 0 = off.
-    tree_width: int = 0
+    # the runner-up there, the round commits one token more. 0 = off; None =
+    # auto: the width the target suggests (ModelInfo.tree_width: 4 for bf16 on
+    # packed layers with AMX, else 0).
+    tree_width: int | None = None
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
             raise ValueError("default_max_tokens and session_ttl_s must be >= 1")
-        if not 0 <= self.tree_width <= MAX_TREE_WIDTH:
+        if self.tree_width is not None and not 0 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ValueError(f"tree_width must be in [0, {MAX_TREE_WIDTH}], got {self.tree_width}")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0 (0: no limit), got {self.max_concurrent_requests}")
@@ -121,7 +123,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.generation = Generation(
             self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
             EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback,
-                         self.config.prefill_overlap, self.config.tree_width),
+                         self.config.prefill_overlap, self._tree_width(target)),
         )
         self.pair_error = None
         if draft is None:
@@ -341,12 +343,17 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                       else self.config.pipeline),
             pipeline_auto=self.config.pipeline is None,
             relay=self.config.relay,
-            tree_width=self.config.tree_width,
+            tree_width=self.generation.config.tree_width,
             has_tokenizer=self.tokenizer is not None,
             prefill_overlap=self.generation.prefill_overlap(),
         )
 
     # --- helpers ---------------------------------------------------------------------
+    def _tree_width(self, target: common_pb2.ModelInfo) -> int:
+        if self.config.tree_width is not None:
+            return self.config.tree_width
+        return min(target.tree_width, MAX_TREE_WIDTH)
+
     def _check_room(self, committed: int, turn: int, params: RequestParams) -> None:
         limit = self.target_info.max_context
         if committed + turn + params.max_tokens > limit:

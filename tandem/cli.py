@@ -46,6 +46,11 @@ def _int_in(low: int, high: int):
     return parse
 
 
+def _auto_or(parse):
+    """An argparse type: "auto" (None), or what `parse` takes."""
+    return lambda text: None if text == "auto" else parse(text)
+
+
 INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -192,13 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "and the orchestrator's work earlier; the target dials the draft at --relay-address. "
                            "Off by default: on two pinned cores it cut the overhead of a round after a rejection "
                            "by 0.35-1.25 ms, but tokens/s was not shown to rise (README) (default: %(default)s)")
-    orch.add_argument("--tree-width", type=int, default=0,
+    orch.add_argument("--tree-width", type=_auto_or(_int_in(0, 16)), default="auto", metavar="{auto,0..16}",
                       help="greedy requests: verify the draft's runner-up for each of a block's first N tokens "
                            "beside the block, in the same forward (a token tree one level off it); where the "
                            "target's token at the first rejection is that runner-up, the round commits one token "
                            "more. Costs the target N more rows a verify, so it pays where a verify's cost barely "
-                           "grows with its rows (bf16 with AMX); ignored by a target on --linear bf16dot; "
-                           "0 = off (default: %(default)s)")
+                           "grows with its rows; auto = the width the target suggests: 4 for bf16 on packed layers "
+                           "with AMX, else 0 (off); a target on --linear bf16dot verifies the block alone "
+                           "(default: %(default)s)")
     orch.add_argument("--relay-address", default="",
                       help="the draft service's address as the target reaches it (default: --draft)")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",

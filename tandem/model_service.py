@@ -59,6 +59,7 @@ class ModelServiceBase:
     """Holds the store and worker; subclasses add Propose or Verify."""
 
     backend = "model"
+    tree_width = 0  # ModelInfo.tree_width
     role = "model"  # "draft" or "target": names spans and labels metrics
 
     def __init__(self, info: LoadedModel | None, store: SessionCacheStore, worker: serving.ModelWorker):
@@ -145,6 +146,7 @@ class ModelServiceBase:
             host_id=placement.host_id(),
             cpus=placement.cpus(),
             threads=torch.get_num_threads(),
+            tree_width=self.tree_width,
         )
 
     def _param_attr(self, name: str, default: str) -> str:

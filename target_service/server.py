@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from tandem import multiplex, serving, telemetry
+from tandem import cpu_kernels, multiplex, serving, telemetry
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
 from tandem.modeling import ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
@@ -17,6 +17,24 @@ from target_service.verifier import Verifier, VerifyCall
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+AMX_TREE_WIDTH = 4
+
+
+def suggested_tree_width(model: ModelConfig, runner: ModelRunner) -> int:
+    """ModelInfo.tree_width: AMX_TREE_WIDTH for bf16 on packed layers on a CPU
+    with AMX, where a forward's cost barely grows with its rows (the default
+    target on a 60-token cache, one thread: 1 / 4 / 8 tokens 270 / 276 / 280 ms;
+    a block of 5 with 4 alternatives beside it 255-491 ms against 260-487 for
+    the block alone, 24 pairs, bench/RESULTS.md); else 0: on other CPU kernels
+    a verify's rows cost (FBGEMM or bf16w past 4-6 rows), and on a GPU it is
+    not measured (one H200: 1 / 4 tokens 20.9 / 24.6 ms)."""
+    if not runner.verifies_trees or model.device != "cpu":
+        return 0
+    if model.resolved_dtype == "bfloat16" and model.kernel == "packed" and cpu_kernels.amx_bf16():
+        return AMX_TREE_WIDTH
+    return 0
 
 
 class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
@@ -30,6 +48,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
         super().__init__(info, store, worker)
         self.verifier = Verifier(runner, store)
+        self.tree_width = suggested_tree_width(model, runner)
         self.relay = Relay()
 
     def _call(self, request) -> VerifyCall:

@@ -71,9 +71,12 @@ class Cluster:
                  draft_options=None, k: int = 4, adaptive: bool = False, pipeline: bool = True,
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
-                 inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int = 0):
+                 inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
+        # tree_width: 4, where the server's auto gives these float32 models 0, so
+        # that every greedy end-to-end test verifies alternatives as well as
+        # tests/test_tree.py (None: auto).
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

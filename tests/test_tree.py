@@ -110,3 +110,40 @@ def test_rounds_take_alternatives_and_stay_exact(tiny_models, near_draft, relay)
             assert sampled.stats.alternative_hits == 0 and len(sampled.token_ids) == 16
     finally:
         cluster.stop()
+
+
+def test_the_target_suggests_a_width_only_where_wide_verifies_cost_little(monkeypatch):
+    from target_service.server import AMX_TREE_WIDTH, suggested_tree_width
+    from tandem import cpu_kernels
+
+    class Runner:
+        verifies_trees = True
+
+    for name in ("packed_available", "native_bf16", "amx_bf16"):
+        monkeypatch.setattr(cpu_kernels, name, lambda: True)
+    amx = ModelConfig("m", dtype="bfloat16")
+    assert amx.kernel == "packed" and suggested_tree_width(amx, Runner()) == AMX_TREE_WIDTH > 0
+    assert suggested_tree_width(ModelConfig("m", dtype="float32", linear="fp16"), Runner()) == 0
+    assert suggested_tree_width(ModelConfig("m", dtype="bfloat16", linear="native"), Runner()) == 0
+    Runner.verifies_trees = False  # attends row by row
+    assert suggested_tree_width(amx, Runner()) == 0
+    Runner.verifies_trees = True
+    monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda: False)  # native bf16 without AMX
+    assert suggested_tree_width(amx, Runner()) == 0
+
+
+def test_auto_width_follows_the_target(tiny_models):
+    """--tree-width auto takes the width the target's ModelInfo suggests: 4 for a
+    bf16 target on a CPU with AMX (packed layers), else 0; a float32 target: 0."""
+    from tandem import cpu_kernels
+
+    for dtype in ("bfloat16", "float32"):
+        cluster = Cluster(tiny_models["target"], tiny_models["target"], dtype=dtype, tree_width=None)
+        try:
+            with cluster.client() as client:
+                amx = dtype == "bfloat16" and cpu_kernels.amx_bf16() and cpu_kernels.packed_available()
+                assert cluster.target.tree_width == (4 if amx else 0)
+                assert client.server_info().tree_width == cluster.target.tree_width
+                assert len(client.generate(prompt_ids=PROMPTS[0], max_tokens=12).token_ids) == 12
+        finally:
+            cluster.stop()
