@@ -110,7 +110,9 @@ def main(argv=None) -> int:
         "hf_assisted_vs_target_only": hf_assisted.tok_s / fastest.tok_s,
         "acceptance_rate": tandem.acceptance_rate,
         "tokens_per_round": tandem.tokens_per_round,
+        "block_tokens_per_round": tandem.block_tokens_per_round,  # without alternatives' extra tokens, as τ counts
         "theory_tokens_per_round": tandem.theory_tokens_per_round,
+        "alternative_hit_rate": tandem.alternative_hit_rate,
         "k": args.k,
         "dtype": args.dtype,
         "threads_per_model": args.threads,

@@ -44,7 +44,8 @@ class ModeResult:
     identical: int = 0  # prompts whose tokens equal the target alone
     prompts: int = 0
     acceptance_rate: float | None = None
-    tokens_per_round: float | None = None
+    tokens_per_round: float | None = None  # committed, an alternative's extra token included
+    block_tokens_per_round: float | None = None  # accepted + 1 a round: what τ predicts for the block alone
     theory_tokens_per_round: float | None = None
     mean_k: float | None = None
     predraft_hit_rate: float | None = None
@@ -263,6 +264,7 @@ class TandemTally:
         # was taken, which τ of the block alone does not count); the tokens kept
         # are fewer where max_tokens cut a prompt's last round.
         r.tokens_per_round = (self.accepted + rounds + self.alternative_hits) / rounds if rounds else 0.0
+        r.block_tokens_per_round = (self.accepted + rounds) / rounds if rounds else 0.0
         r.alternative_hit_rate = self.alternative_hits / rounds if rounds else None
         r.theory_tokens_per_round = theory_tokens_per_round(alpha, self.rounds_per_k)
         r.predraft_hit_rate = self.hits / self.attempts if self.attempts else None
@@ -324,7 +326,7 @@ def table(rows: list[tuple[str, ModeResult]], baseline: ModeResult) -> str:
     for name, r in rows:
         lines.append(
             f"{name:<34}{r.tok_s:>8.2f}{cut(r.tok_s / baseline.tok_s):>8.2f}x{fmt(r.acceptance_rate, '7.2f')}"
-            f"{fmt(r.tokens_per_round, '9.2f')}{fmt(r.theory_tokens_per_round, '8.2f')}{fmt(r.mean_k, '6.1f')}"
+            f"{fmt(r.block_tokens_per_round, '9.2f')}{fmt(r.theory_tokens_per_round, '8.2f')}{fmt(r.mean_k, '6.1f')}"
             f"{fmt(r.predraft_hit_rate, '6.2f')}{fmt(r.overhead_ms_per_round_p50, '8.1f')}{fmt(r.handover_ms_per_round_p50, '6.1f')}"
             f"{fmt(r.verify_ms_p50, '8.0f')}{fmt(r.draft_step_ms_p50, '6.0f')}{fmt(r.ceiling_tok_s, '7.2f')}"
             f"{fmt(r.first_token_ms_p50, '7.0f')}{r.identical:>5}/{r.prompts}"

@@ -54,6 +54,11 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         print(f"(d)'s overhead p50 {adaptive.overhead_ms_per_round_p50:.2f} ms: {adaptive.overhead_ms_predrafted_p50:.2f} ms "
               f"over rounds whose next block was pre-drafted (one model call on the critical path), "
               f"{adaptive.overhead_ms_drafted_after_p50:.2f} ms over those drafted after the verify (two)")
+    if sequential.alternative_hit_rate or adaptive.alternative_hit_rate:
+        print(f"alternatives (--tree-width) taken in {sequential.alternative_hit_rate or 0:.0%} of (b)'s rounds and "
+              f"{adaptive.alternative_hit_rate or 0:.0%} of (d)'s, each one token more: tokens/round (b) "
+              f"{sequential.tokens_per_round:.2f}, (d) {adaptive.tokens_per_round:.2f} (the table's tok/rnd counts the "
+              f"block's tokens alone, as τ does)")
     if adaptive.relayed_draft_rate is not None:
         print(f"(d): the target's relay began {adaptive.relayed_draft_rate:.0%} of the blocks drafted after a verify")
     for label, r in (("(b)", sequential), ("(d)", adaptive)):
@@ -81,6 +86,9 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         "tokens_per_round": adaptive.tokens_per_round,
         "theory_tokens_per_round": adaptive.theory_tokens_per_round,
         "sequential_tokens_per_round": sequential.tokens_per_round,
+        "sequential_block_tokens_per_round": sequential.block_tokens_per_round,
+        "alternative_hit_rate": adaptive.alternative_hit_rate,
+        "sequential_alternative_hit_rate": sequential.alternative_hit_rate,
         "sequential_theory_tokens_per_round": sequential.theory_tokens_per_round,
         "predraft_hit_rate": adaptive.predraft_hit_rate,
         "overhead_ms_per_round_p50": adaptive.overhead_ms_per_round_p50,
