@@ -59,7 +59,7 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
               f"{adaptive.alternative_hit_rate or 0:.0%} of (d)'s, each one token more: tokens/round (b) "
               f"{sequential.tokens_per_round:.2f}, (d) {adaptive.tokens_per_round:.2f} (the table's tok/rnd counts the "
               f"block's tokens alone, as τ does)")
-    if adaptive.relayed_draft_rate is not None:
+    if adaptive.relayed_draft_rate:
         print(f"(d): the target's relay began {adaptive.relayed_draft_rate:.0%} of the blocks drafted after a verify")
     for label, r in (("(b)", sequential), ("(d)", adaptive)):
         if r.overhead_in_services_ms_p50 is not None and r.overhead_ms_per_round_p50 is not None:

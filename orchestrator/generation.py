@@ -288,6 +288,7 @@ class RequestMetrics:
         i.predraft_attempts.add(stats.predraft_attempts)
         i.predraft_hits.add(stats.predraft_hits)
         i.undrafted_rounds.add(stats.undrafted_rounds)
+        i.alternative_rounds.add(stats.alternative_hits)
 
 
 def _reason(finish) -> str:

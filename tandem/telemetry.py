@@ -98,6 +98,8 @@ class Instruments:
         self.predraft_hits = counter("tandem.predraft.hits", "{draft}", "pre-drafted blocks used by the next round")
         self.undrafted_rounds = counter("tandem.rounds.undrafted", "{round}",
                                         "rounds decoded on the target alone: the draft service was unavailable")
+        self.alternative_rounds = counter("tandem.rounds.alternative", "{round}",
+                                          "rounds that took an alternative verified beside their block (--tree-width)")
         # orchestrator: per-round and per-request distributions
         self.tokens_per_round = histogram("tandem.tokens_per_round", "{token}", "tokens committed by a round",
                                           explicit_bucket_boundaries_advisory=TOKENS_BUCKETS)

@@ -137,10 +137,12 @@ def test_counters_equal_the_completion_stats(same_cluster, recorded):
     assert value("tandem.predraft.attempts") == stats.predraft_attempts
     assert value("tandem.predraft.hits") == stats.predraft_hits
     assert value("tandem.rounds.undrafted") == stats.undrafted_rounds == 0
+    assert value("tandem.rounds.alternative") == stats.alternative_hits
     assert value("tandem.requests", finish_reason="length") == 1
     assert value("tandem.completion_tokens") == len(result.token_ids) == 12
     per_round = points["tandem.tokens_per_round"][frozenset()]
-    assert (per_round.count, per_round.sum) == (stats.rounds, stats.accepted_tokens + stats.rounds)
+    assert (per_round.count, per_round.sum) == (stats.rounds,
+                                                stats.accepted_tokens + stats.rounds + stats.alternative_hits)
     assert points["tandem.time_to_first_token"][frozenset()].count == 1
     assert 0 < points["tandem.time_to_first_token"][frozenset()].sum * 1e3 <= stats.total_ms
     # a round's overhead is taken when the next one starts, and the caller stops the last one
