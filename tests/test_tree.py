@@ -1,6 +1,8 @@
 """Alternatives verified beside a block (--tree-width): the target's forward of a
 one-level token tree, the path a verdict keeps, and end to end the output still
 equals the target alone while rounds take alternatives."""
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -66,7 +68,7 @@ def test_the_draft_ranks_a_runner_up_for_each_token_it_proposes(tiny_models, nea
     runner = _runner(near_draft)
     drafter = ModelDrafter(runner, SessionCacheStore(runner.new_cache))
     call = ProposeCall("s", 0, 0, [3, 1, 4, 1, 5], 4, SamplingParams(), False, False, alternatives=True)
-    proposal = drafter.propose(call, cancelled=__import__("threading").Event())
+    proposal = drafter.propose(call, cancelled=threading.Event())
     assert len(proposal.alternatives) == len(proposal.tokens) == 4
     history = [3, 1, 4, 1, 5]
     model = AutoModelForCausalLM.from_pretrained(near_draft, dtype=torch.float32).eval()
@@ -76,7 +78,7 @@ def test_the_draft_ranks_a_runner_up_for_each_token_it_proposes(tiny_models, nea
         assert [token, runner_up] == logits.topk(2).indices.tolist()
         history.append(token)
     unasked = drafter.propose(ProposeCall("t", 0, 0, [3, 1, 4, 1, 5], 4, SamplingParams(), False, False),
-                              cancelled=__import__("threading").Event())
+                              cancelled=threading.Event())
     assert unasked.tokens == proposal.tokens and unasked.alternatives == []
 
 
