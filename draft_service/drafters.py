@@ -208,11 +208,14 @@ class ModelDrafter:
                     if not cache.drop_partial_step():
                         self.store.release(call.session_id)
                     break
-                token, prob, dist = draw(logits, call, position=len(cache), first=i == 0)
+                if ranks:  # greedy: the token and its runner-up in one pass over the logits
+                    token, runner_up = logits.topk(2).indices.tolist()
+                    prob = dist = None
+                    runners_up.append(runner_up)
+                else:
+                    token, prob, dist = draw(logits, call, position=len(cache), first=i == 0)
                 steps_ms.append((time.perf_counter() - step_start) * 1e3)
                 tokens.append(token)
-                if ranks:
-                    runners_up.append(int(logits.topk(2).indices[1]))
                 if prob is not None:
                     probs.append(prob)
                     if call.return_dists:

@@ -45,9 +45,10 @@ class DraftBlock:
     def with_tree(self, width: int) -> "DraftBlock":
         """The block with the runner-ups of its first `width` tokens as the
         alternatives to verify beside it (none when the drafter ranked none)."""
-        if len(self.alternatives) != len(self.tokens):
-            return dataclasses.replace(self, alternatives=[]) if self.alternatives else self
-        return dataclasses.replace(self, alternatives=self.alternatives[:width])
+        if not self.alternatives:
+            return self
+        ranked = len(self.alternatives) == len(self.tokens)
+        return dataclasses.replace(self, alternatives=self.alternatives[:width] if ranked else [])
 
     def drop_first(self) -> "DraftBlock":
         """The block after its first token (the pre-drafted bonus guess)."""
