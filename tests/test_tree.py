@@ -11,7 +11,7 @@ from draft_service.drafters import ModelDrafter, ProposeCall
 from tandem.modeling import ModelConfig, ModelRunner, load
 from tandem.sampling import SamplingParams
 from tandem.session_cache import SessionCacheStore
-from tests.conftest import Cluster, reference_greedy
+from tests.conftest import DEVICE, Cluster, reference_greedy
 
 PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6], [10, 20, 30, 40, 50, 60, 10, 20], list(range(5, 45, 2)))
 
@@ -136,14 +136,16 @@ def test_the_target_suggests_a_width_only_where_wide_verifies_cost_little(monkey
 
 def test_auto_width_follows_the_target(tiny_models):
     """--tree-width auto takes the width the target's ModelInfo suggests: 4 for a
-    bf16 target on a CPU with AMX (packed layers), else 0; a float32 target: 0."""
+    bf16 target on a CPU with AMX (packed layers), else 0; a float32 target, or
+    one on a GPU: 0."""
     from tandem import cpu_kernels
 
     for dtype in ("bfloat16", "float32"):
         cluster = Cluster(tiny_models["target"], tiny_models["target"], dtype=dtype, tree_width=None)
         try:
             with cluster.client() as client:
-                amx = dtype == "bfloat16" and cpu_kernels.amx_bf16() and cpu_kernels.packed_available()
+                amx = (DEVICE == "cpu" and dtype == "bfloat16" and cpu_kernels.amx_bf16()
+                       and cpu_kernels.packed_available())
                 assert cluster.target.tree_width == (4 if amx else 0)
                 assert client.server_info().tree_width == cluster.target.tree_width
                 assert len(client.generate(prompt_ids=PROMPTS[0], max_tokens=12).token_ids) == 12
