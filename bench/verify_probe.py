@@ -3,7 +3,10 @@ bare forward of a block (`bare`, as bench.step_probe times it), the target
 service's `Verifier.verify` of the same block on its session store
 (`verifier`), the same on a worker thread as the service runs it
 (`verifier_thread`), and the block with alternatives beside it
-(`tree`, `Verifier` on a one-level token tree). The paths take turns, one call
+(`tree`, `Verifier` on a one-level token tree), on a worker thread that
+polls instead of sleeping (`verifier_spin`), and after an idle pause
+(`verifier_after_idle`: the whole process sleeps first, untimed, as a
+service waits between blocks). The paths take turns, one call
 each, so that clocks and caches drift alike for all. With --profile, a torch
 profile of a few `verifier` calls: the host's and the GPU's time per op, and
 the GPU's busy time per call against the call's wall time.
@@ -20,6 +23,7 @@ import argparse
 import logging
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +58,40 @@ class Session:
         return outcome
 
 
+class Spinner:
+    """A worker thread that never sleeps between calls: it polls for the next
+    one, yielding the GIL (and the core) at each poll but staying runnable."""
+
+    def __init__(self):
+        self._job = None
+        self._done = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stopped:
+            job = self._job
+            if job is None:
+                time.sleep(0)
+                continue
+            self._job = None
+            fn, args, box = job
+            box.append(fn(*args))
+            self._done.set()
+
+    def run(self, fn, *args):
+        box = []
+        self._done.clear()
+        self._job = (fn, args, box)
+        self._done.wait()
+        return box[0]
+
+    def stop(self):
+        self._stopped = True
+        self._thread.join()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.verify_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +104,8 @@ def main(argv=None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--reps", type=int, default=40, help="timed calls per path (default: %(default)s)")
     parser.add_argument("--warmups", type=int, default=5, help="untimed calls per path first (default: %(default)s)")
+    parser.add_argument("--idle-ms", type=float, default=20.0, help="`verifier_after_idle`: the process sleeps this "
+                        "long, untimed, before each call, as a service waits for the next block (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="profile some verifier calls (torch.profiler)")
     parser.add_argument("--out", type=Path, default=RESULTS / "verify_probe.json", help="JSON output path")
     args = parser.parse_args(argv)
@@ -96,22 +136,30 @@ def main(argv=None) -> int:
         bare_next = logits.argmax(dim=-1).tolist()[:1]
         kv.crop(-args.k)
 
-    sessions = {name: Session(verifier, name, ids) for name in ("verifier", "verifier_thread", "tree")}
+    names = ("verifier", "verifier_thread", "verifier_spin", "verifier_after_idle", "tree")
+    sessions = {name: Session(verifier, name, ids) for name in names}
     worker = ThreadPoolExecutor(max_workers=1)
+    spinner = Spinner()
     paths = {
         "bare": bare,
         "verifier": lambda: sessions["verifier"].call(block),
         "verifier_thread": lambda: worker.submit(sessions["verifier_thread"].call, block).result(),
+        "verifier_spin": lambda: spinner.run(sessions["verifier_spin"].call, block),
+        "verifier_after_idle": lambda: sessions["verifier_after_idle"].call(block),
     }
+    before = {"verifier_after_idle": lambda: time.sleep(args.idle_ms / 1e3)}  # untimed
     if alternatives and runner.verifies_trees:
         paths["tree"] = lambda: sessions["tree"].call(block, alternatives)
     times = {name: [] for name in paths}
     for i in range(args.warmups + args.reps):
         for name, path in paths.items():
+            if name in before:
+                before[name]()
             start = time.perf_counter()
             path()
             if i >= args.warmups:
                 times[name].append((time.perf_counter() - start) * 1e3)
+    spinner.stop()
     result = {"machine": machine(), "device": args.device, "target": args.target, "k": args.k,
               "alternatives": len(alternatives), "dtype": str(loaded.model.dtype).removeprefix("torch."),
               "paths": {name: summary(t) for name, t in times.items()}}
