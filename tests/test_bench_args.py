@@ -121,6 +121,25 @@ def test_the_step_probe_times_each_draft_path_and_the_target(tiny_models, tmp_pa
     assert result["draft_step_over_verify"]["hf"] > 0
 
 
+def test_the_verify_probe_times_each_path_and_leaves_no_thread(tiny_models, tmp_path):
+    """bench.verify_probe on the CPU: every path timed the asked number of
+    calls, a profile of the verifier's calls, and its worker threads gone after."""
+    import json
+    import threading
+
+    from bench import verify_probe
+
+    threads = threading.active_count()
+    out = tmp_path / "verify.json"
+    assert verify_probe.main(["--target", tiny_models["target"], "--dtype", "float32", "--reps", "3", "--warmups", "1",
+                              "--idle-ms", "1", "--profile", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["paths"]) == {"bare", "verifier", "verifier_thread", "verifier_spin", "verifier_after_idle", "tree"}
+    assert all(entry["n"] == 3 and entry["median_ms"] > 0 for entry in result["paths"].values())
+    assert result["alternatives"] == 3 and result["profile"]["top_by_host_time"]
+    assert threading.active_count() == threads
+
+
 def test_a_random_pair_member_has_the_architecture_and_tokenizer_it_copies(tiny_models, tmp_path):
     from transformers import AutoConfig
 
