@@ -1,18 +1,19 @@
-"""Where a verify's time goes, in one process, each path side by side: the
-bare forward of a block (`bare`, as bench.step_probe times it), the target
-service's `Verifier.verify` of the same block on its session store
-(`verifier`), the same on a worker thread as the service runs it
-(`verifier_thread`), and the block with alternatives beside it
-(`tree`, `Verifier` on a one-level token tree), on a worker thread that
-polls instead of sleeping (`verifier_spin`), and after an idle pause
-(`verifier_after_idle`: the whole process sleeps first, untimed, as a
-service waits between blocks). The paths take turns, one call
-each, so that clocks and caches drift alike for all. With --profile, a torch
-profile of a few `verifier` calls: the host's and the GPU's time per op, and
-the GPU's busy time per call against the call's wall time.
+"""Where a verify's time goes, in one process, each path side by side:
+  bare                 the bare forward of a block (as bench.step_probe times it)
+  verifier             the target service's `Verifier.verify` of the same block
+                       on its session store
+  verifier_thread      the same on a worker thread that sleeps between calls,
+                       as a service's model thread does
+  verifier_spin        the same on a worker thread that polls between calls
+  verifier_after_idle  the same on the main thread after an untimed pause, as a
+                       service waits between blocks
+  tree                 the block with alternatives beside it (a one-level token tree)
+The paths take turns, one call each, so that clocks and caches drift alike for
+all. With --profile, a torch profile of a few `verifier` calls: the host's and
+the GPU's time per op, and the GPU's busy time per call.
 
 Each call feeds one new token and a block of k draft tokens, as a verify after
-a rejected block does, so the session grows by one token a call.
+a rejected block does, so a session grows by at least one token a call.
 
     python -m bench.verify_probe --target T --device cuda --profile
 
@@ -77,7 +78,10 @@ class Spinner:
                 continue
             self._job = None
             fn, args, box = job
-            box.append(fn(*args))
+            try:
+                box.append(fn(*args))
+            except BaseException as err:  # handed to the caller, which raises it
+                box.append(err)
             self._done.set()
 
     def run(self, fn, *args):
@@ -85,6 +89,8 @@ class Spinner:
         self._done.clear()
         self._job = (fn, args, box)
         self._done.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
         return box[0]
 
     def stop(self):
