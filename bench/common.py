@@ -310,6 +310,13 @@ def machine() -> dict:
             "torch": torch.__version__, "gpu": gpu, "openmp_env": openmp}
 
 
+def parse_args(parser, argv=None):
+    """A probe's arguments, with INFO logging on: what every probe's main starts with."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return args
+
+
 def write(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, machine, write
+from bench.common import RESULTS, machine, parse_args, write
 
 log = logging.getLogger("bench.step_probe")
 
@@ -102,8 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--verify-tokens", default="1,4", help="target forward sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--skip-target", action="store_true", help="time the draft paths only")
     parser.add_argument("--out", type=Path, default=RESULTS / "step_probe.json", help="JSON output path")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(parser, argv)
     if args.steps < 2 or args.reps < 2:
         parser.error("--steps and --reps must be at least 2")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, machine, write
+from bench.common import RESULTS, machine, parse_args, write
 from bench.step_probe import prompt, summary
 
 log = logging.getLogger("bench.verify_probe")
@@ -114,8 +114,7 @@ def main(argv=None) -> int:
                         "long, untimed, before each call, as a service waits for the next block (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="profile some verifier calls (torch.profiler)")
     parser.add_argument("--out", type=Path, default=RESULTS / "verify_probe.json", help="JSON output path")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(parser, argv)
     if args.reps < 2 or args.k < 1:
         parser.error("--reps must be at least 2 and --k at least 1")
 
