@@ -59,7 +59,6 @@ class Decoder:
         # Greedy only: the draft's runner-ups of a block's first tree_width tokens
         # are verified beside it (a token tree one level off the block).
         self.tree_width = tree_width if sampling.greedy else 0
-        self._ranked = {"alternatives": True} if self.tree_width else {}  # what each draft call asks for
         self.stats = RoundStats()
         self._unlearned: tuple[int, int, float, float] | None = None  # a committed round the policy has not seen
         # The target relays each verdict's next draft call to the draft
@@ -104,7 +103,7 @@ class Decoder:
             try:
                 block = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
                     self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling,
-                    **self._ranked))
+                    alternatives=self.tree_width > 0))
             except ServiceUnavailable as err:
                 if not self.breaker.trip(err):
                     raise
@@ -152,7 +151,7 @@ class Decoder:
                     k + 1,
                     self.sampling,
                     bonus_guess=True,
-                    **self._ranked,
+                    alternatives=self.tree_width > 0,
                 )
                 self.breaker.reset()
                 return pre
@@ -182,7 +181,7 @@ class Decoder:
             try:
                 pre = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
                     self.session_id, self.committed.prefix(base), self.committed.tokens[base:], n, self.sampling,
-                    bonus_guess=True, **self._ranked))
+                    bonus_guess=True, alternatives=self.tree_width > 0))
                 self.breaker.reset()
                 return pre
             except ServiceCacheMiss:

@@ -53,17 +53,10 @@ class Verifier:
         cache.append(call.new_tokens + call.draft_tokens)
         tree = bool(call.alternatives and k and call.sampling.greedy and self.runner.verifies_trees)
         try:
-            if tree:
-                verdict = self._verify_tree(cache, call, first_draft_pos)
-            else:
-                logits = self.runner.forward_block(cache.kv, cache.unfed(), k)  # [k+1, vocab]
-                cache.mark_fed()
+            verdict = (self._verify_tree if tree else self._verify_block)(cache, call, first_draft_pos)
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused
             raise
-        if not tree:
-            verdict = self._verdict(call, logits, first_draft_pos)
-            cache.crop(first_draft_pos + verdict.accepted)
         self.store.enforce_budget(keep=call.session_id)
         return VerifyOutcome(
             accepted=verdict.accepted,
@@ -74,19 +67,25 @@ class Verifier:
             more_tokens=verdict.more_tokens,
         )
 
-    @staticmethod
-    def _verdict(call: VerifyCall, logits: torch.Tensor, first_draft_pos: int) -> Verdict:
+    def _verify_block(self, cache, call: VerifyCall, first_draft_pos: int) -> Verdict:
+        """The block in one forward; the cache keeps the accepted draft tokens."""
+        k = len(call.draft_tokens)
+        logits = self.runner.forward_block(cache.kv, cache.unfed(), k)  # [k+1, vocab]
+        cache.mark_fed()
         if call.sampling.greedy:
-            return verify_greedy(call.draft_tokens, logits.argmax(dim=-1).tolist())
-        k, seed = len(call.draft_tokens), call.sampling.seed
-        return verify_sampled(
-            call.draft_tokens,
-            call.draft_probs,
-            None if call.draft_dists is None else call.draft_dists.to(logits.device),
-            logits_to_probs(logits, call.sampling),
-            rng.uniforms(seed, rng.ACCEPT, first_draft_pos, k),
-            rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),
-        )
+            verdict = verify_greedy(call.draft_tokens, logits.argmax(dim=-1).tolist())
+        else:
+            seed = call.sampling.seed
+            verdict = verify_sampled(
+                call.draft_tokens,
+                call.draft_probs,
+                None if call.draft_dists is None else call.draft_dists.to(logits.device),
+                logits_to_probs(logits, call.sampling),
+                rng.uniforms(seed, rng.ACCEPT, first_draft_pos, k),
+                rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),
+            )
+        cache.crop(first_draft_pos + verdict.accepted)
+        return verdict
 
     def _verify_tree(self, cache, call: VerifyCall, first_draft_pos: int) -> Verdict:
         """The block and its alternatives in one forward; the cache keeps the

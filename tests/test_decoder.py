@@ -97,11 +97,12 @@ class GatedProposer:
     def __init__(self, inner, gate: Gate):
         self.inner, self.gate = inner, gate
 
-    async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False):
+    async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False, alternatives=False):
         self.gate.log.append(("draft", prefix.length, len(new_tokens), k, bonus_guess))
         self.gate.draft_out.set()
         await asyncio.wait_for(self.gate.target_out.wait(), 10)
-        return await self.inner.propose(session_id, prefix, new_tokens, k, sampling, bonus_guess=bonus_guess)
+        return await self.inner.propose(session_id, prefix, new_tokens, k, sampling, bonus_guess=bonus_guess,
+                                        alternatives=alternatives)
 
 
 class GatedVerifier:
