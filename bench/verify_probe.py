@@ -4,7 +4,8 @@
                        on its session store
   verifier_thread      the same on a worker thread that sleeps between calls,
                        as a service's model thread does
-  verifier_spin        the same on a worker thread that polls between calls
+  verifier_spin        the same on a worker thread that polls for the call
+                       (from 2 ms before it; blocked during the other paths)
   verifier_after_idle  the same on the main thread after an untimed pause, as a
                        service waits between blocks
   tree                 the block with alternatives beside it (a one-level token tree)
@@ -37,6 +38,9 @@ from bench.step_probe import prompt, summary
 log = logging.getLogger("bench.verify_probe")
 
 
+SPIN_LEAD_S = 0.002  # `verifier_spin`: the worker polls this long, untimed, before its call
+
+
 class Session:
     """One session of the verifier's store, fed a call at a time."""
 
@@ -60,23 +64,31 @@ class Session:
 
 
 class Spinner:
-    """A worker thread that never sleeps between calls: it polls for the next
-    one, yielding the GIL (and the core) at each poll but staying runnable."""
+    """A worker thread that does not sleep between calls while armed: from
+    `arm()` to the end of its next call it polls for that call, yielding the
+    GIL (and the core) at each poll but staying runnable. Unarmed, it blocks,
+    so that it takes no core and no GIL from the other paths' calls (on a
+    one-core CPU a thread polling through them took a third of the core)."""
 
     def __init__(self):
         self._job = None
+        self._armed = threading.Event()
         self._done = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def _loop(self):
-        while not self._stopped:
+        while True:
+            self._armed.wait()
+            if self._stopped:
+                return
             job = self._job
             if job is None:
                 time.sleep(0)
                 continue
             self._job = None
+            self._armed.clear()
             fn, args, box = job
             try:
                 box.append(fn(*args))
@@ -84,10 +96,15 @@ class Spinner:
                 box.append(err)
             self._done.set()
 
+    def arm(self):
+        """Starts polling for the next call."""
+        self._armed.set()
+
     def run(self, fn, *args):
         box = []
         self._done.clear()
         self._job = (fn, args, box)
+        self._armed.set()
         self._done.wait()
         if isinstance(box[0], BaseException):
             raise box[0]
@@ -95,6 +112,7 @@ class Spinner:
 
     def stop(self):
         self._stopped = True
+        self._armed.set()
         self._thread.join()
 
 
@@ -152,7 +170,8 @@ def main(argv=None) -> int:
         "verifier_spin": lambda: spinner.run(sessions["verifier_spin"].call, block),
         "verifier_after_idle": lambda: sessions["verifier_after_idle"].call(block),
     }
-    before = {"verifier_after_idle": lambda: time.sleep(args.idle_ms / 1e3)}  # untimed
+    before = {"verifier_after_idle": lambda: time.sleep(args.idle_ms / 1e3),  # untimed
+              "verifier_spin": lambda: (spinner.arm(), time.sleep(SPIN_LEAD_S))}  # polling when the call comes
     if alternatives and runner.verifies_trees:
         paths["tree"] = lambda: sessions["tree"].call(block, alternatives)
     times = {name: [] for name in paths}
