@@ -66,7 +66,8 @@ class Session:
 class Spinner:
     """A worker thread that does not sleep between calls while armed: from
     `arm()` to the end of its next call it polls for that call, yielding the
-    GIL (and the core) at each poll but staying runnable. Unarmed, it blocks,
+    GIL (and the core) at each poll, a time.sleep(0) (on Linux a sleep of the
+    thread's timer slack, 50 µs by default). Unarmed, it blocks,
     so that it takes no core and no GIL from the other paths' calls (on a
     one-core CPU a thread polling through them took a third of the core)."""
 

@@ -140,6 +140,35 @@ def test_the_verify_probe_times_each_path_and_leaves_no_thread(tiny_models, tmp_
     assert threading.active_count() == threads
 
 
+def test_the_verify_probes_polling_worker_takes_no_cpu_between_its_own_calls():
+    """bench.verify_probe's polling worker polls from arm() to the end of its
+    call and blocks otherwise, so the other paths' calls do not share their
+    core with it: this process takes CPU time while it is armed (each poll a
+    time.sleep(0), about a quarter of a core on Linux, where that sleeps for
+    the timer slack) and next to none while it waits unarmed after a call."""
+    import time
+
+    from bench.verify_probe import Spinner
+
+    def cpu_over(seconds: float) -> float:
+        start = time.process_time()
+        time.sleep(seconds)
+        return time.process_time() - start
+
+    spinner = Spinner()
+    try:
+        assert spinner.run(lambda x: x + 1, 1) == 2
+        idle = cpu_over(0.3)
+        spinner.arm()
+        polling = cpu_over(0.3)
+        assert spinner.run(lambda: "done") == "done"
+        after = cpu_over(0.3)
+    finally:
+        spinner.stop()
+    assert polling > 0.02, f"armed, the worker should poll: {polling:.4f} s of CPU in 0.3 s"
+    assert idle < 0.01 and after < 0.01, f"unarmed, the worker should block: {idle:.4f} / {after:.4f} s of CPU"
+
+
 def test_a_random_pair_member_has_the_architecture_and_tokenizer_it_copies(tiny_models, tmp_path):
     from transformers import AutoConfig
 
