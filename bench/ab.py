@@ -33,7 +33,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, TandemTally, prompt_ids, resolve_dtype, write
+from bench.common import PROMPTS, RESULTS, TandemTally, parse_args, prompt_ids, resolve_dtype, write
 
 log = logging.getLogger("bench.ab")
 
@@ -90,8 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="passes over the prompts in each half (default: %(default)s)")
     parser.add_argument("--out", default=str(RESULTS / "ab.json"), help="JSON output path")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(parser, argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     letters = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     if not letters or set(letters) - set(MODES) or args.rounds < 1 or args.new_tokens < 1 or args.k < 1:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (PROMPTS, RESULTS, baselines, count_identical, hf_assisted_config, hf_generate, load_hf, machine,
-                          prompt_ids, resolve_dtype, table, tandem_generate, write)
+                          parse_args, prompt_ids, resolve_dtype, table, tandem_generate, write)
 
 
 def main(argv=None) -> int:
@@ -33,8 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cheap-draft-args", default="--quantize auto --vocab-subset 32768",
                         help="also run Tandem with these draft flags ('' to skip) (default: %(default)s)")
     parser.add_argument("--out", default=str(RESULTS / "latest.json"), help="JSON output path")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(parser, argv)
     for noisy in ("httpx", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, machine, write
+from bench.common import RESULTS, machine, parse_args, write
 
 log = logging.getLogger("bench.i4w_probe")
 
@@ -91,8 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("--core", type=int, default=None,
                         help="pin to this core (default: the last one this process may use)")
     parser.add_argument("--out", default=str(RESULTS / "i4w_probe.json"), help="JSON output path")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(parser, argv)
     from tandem import i4w
     from tandem.default_models import resolve_model
 

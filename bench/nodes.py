@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (PROMPTS, RESULTS, ModeResult, TandemTally, baselines, count_identical, finish,
-                          hf_assisted_config, hf_generate, hf_time, hf_warm_up, load_hf, prompt_ids, resolve_dtype,
+                          hf_assisted_config, hf_generate, hf_time, hf_warm_up, load_hf, parse_args, prompt_ids, resolve_dtype,
                           tandem_generate, write)
 from bench.nodes_report import plot, report
 
@@ -278,8 +278,7 @@ def main(argv=None) -> int:
                              "each model scales to two threads (default: %(default)s)")
     parser.add_argument("--skip", default="", help="comma-separated mode letters to skip (e.g. e,f)")
     parser.add_argument("--out", default=str(RESULTS / "nodes.json"), help="JSON output path")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(parser, argv)
     for noisy in ("httpx", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     skip = set(args.skip.split(",")) - {""}

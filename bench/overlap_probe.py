@@ -13,13 +13,12 @@ orchestrator's own (SpeculationStats.first_token_ms)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import types
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, TandemTally, machine, prompt_ids, resolve_dtype, write
+from bench.common import PROMPTS, RESULTS, TandemTally, machine, parse_args, prompt_ids, resolve_dtype, write
 
 
 def main(argv=None) -> int:
@@ -39,8 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated prompt names")
     parser.add_argument("--out", default=str(RESULTS / "overlap_probe.json"), help="JSON output path")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(parser, argv)
     if len(args.config) != 1:
         parser.error("--config takes one configuration")
     whole = args.config[0]
