@@ -9,6 +9,7 @@ from typing import Protocol
 
 import grpc
 
+from orchestrator.config import TRANSPORTS
 from tandem import multiplex, serving, telemetry
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -110,8 +111,6 @@ def _translate(err: grpc.aio.AioRpcError) -> Exception:
         return ServiceUnavailable(f"{err.code().name}: {err.details()}")
     return err
 
-
-TRANSPORTS = ("stream", "unary")
 
 
 class _GrpcClient:

@@ -248,8 +248,6 @@ def _switch(value: str | None) -> bool | None:
 def _serve(args) -> None:
     from tandem import serving, telemetry
     from tandem.launch import die_with_parent
-    from tandem.model_service import CacheConfig
-    from tandem.modeling import ModelConfig
 
     die_with_parent()
 
@@ -279,8 +277,9 @@ def _serve(args) -> None:
 
     async def build():
         if args.role == "orchestrator":
+            # The flags are checked before orchestrator.server brings in torch and transformers (seconds).
+            from orchestrator.config import OrchestratorConfig
             from orchestrator.policy import KPolicyConfig
-            from orchestrator.server import OrchestratorConfig, build_server
 
             config = OrchestratorConfig(
                 draft_address=args.draft, target_address=args.target, redis_url=args.redis_url,
@@ -292,11 +291,16 @@ def _serve(args) -> None:
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
                 relay=args.relay == "on", relay_address=args.relay_address, tree_width=args.tree_width,
             )
+            from orchestrator.server import build_server
+
             server, port, health, servicer = build_server(address, config)
             await servicer.connect(wait_s=args.wait)
             name = "tandem.v1.Tandem"
             draining = None
         else:
+            from tandem.model_service import CacheConfig
+            from tandem.modeling import ModelConfig
+
             model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                                 linear=args.linear, inline_compute=args.inline_compute)
             cache = CacheConfig(budget_mb=args.cache_mb, session_ttl_s=args.session_ttl)

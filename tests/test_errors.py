@@ -183,6 +183,25 @@ def test_serve_with_bad_flags_exits_2_with_words(argv, words):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--k-min", "5", "--k-max", "2"], "k_min <= k <= k_max"),
+    (["--max-concurrent-requests", "-1"], "max_concurrent_requests must be >= 0"),
+])
+def test_the_orchestrators_bad_flags_are_refused_before_torch_or_transformers_load(argv, words):
+    """They took about 15 s to report on a slow 2-core VM while the imports ran;
+    here importing either library fails, so the words must come before it."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
+              "from tandem.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", script, "serve", "orchestrator", *argv, "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "tandem serve orchestrator:" in proc.stderr and words in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_serve_on_a_busy_port_exits_2_with_words(tiny_models):
     """gRPC servers set SO_REUSEPORT unless told not to: a second target on the
     port of a first one started, and the two split the calls between them."""

@@ -1,0 +1,58 @@
+"""The orchestrator's configuration, checked on construction.
+
+It imports nothing heavy (no torch, no transformers, no gRPC stubs), so that
+`tandem serve orchestrator` rejects bad flags before it loads the rest."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchestrator.policy import KPolicyConfig
+
+TRANSPORTS = ("stream", "unary")  # model calls on one stream per service, or unary rpcs
+MAX_TREE_WIDTH = 16  # alternatives a verify carries at most
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    draft_address: str
+    target_address: str
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    tokenizer: str = ""  # path or hub id; "" = the target's model, "none" = token ids only
+    policy: KPolicyConfig = field(default_factory=KPolicyConfig)
+    pipeline: bool | None = True  # None = auto: per request, the mode expected to be faster (PipelineChoice)
+    # A turn's prompt: the draft prefills it beside the target's prefill (True)
+    # or before it (False); None = auto: beside it unless the two services
+    # share a machine's cores (tandem.placement.shared_cores).
+    prefill_overlap: bool | None = None
+    default_max_tokens: int = 128
+    session_ttl_s: int = 3600
+    service_timeout_s: float = 120.0
+    service_transport: str = "stream"  # model calls on one stream per service, or "unary" rpcs
+    draft_fallback: bool = True  # while the draft service is down, decode on the target alone
+    max_concurrent_requests: int = 128  # Generate and Chat streams at once; more get RESOURCE_EXHAUSTED; 0 = no limit
+    # Verifies ask the target to send its verdict's next draft call straight to
+    # the draft service (target_service.relay), at relay_address, the draft's
+    # address as the target reaches it ("" = draft_address). Off by default: it
+    # cut the overhead of rounds after a rejection but has not been shown to
+    # raise tokens/s (README, --relay).
+    relay: bool = False
+    relay_address: str = ""
+    # Greedy requests: the draft's runner-ups of a block's first tree_width
+    # tokens are verified beside it, in the same forward (a token tree one
+    # level off the block); where the target's token at the first rejection is
+    # the runner-up there, the round commits one token more. 0 = off; None =
+    # auto: the width the target suggests (ModelInfo.tree_width: 4 for bf16 on
+    # packed layers with AMX, else 0).
+    tree_width: int | None = None
+
+    def __post_init__(self):
+        if self.default_max_tokens < 1 or self.session_ttl_s < 1:
+            raise ValueError("default_max_tokens and session_ttl_s must be >= 1")
+        if self.tree_width is not None and not 0 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ValueError(f"tree_width must be in [0, {MAX_TREE_WIDTH}], got {self.tree_width}")
+        if self.max_concurrent_requests < 0:
+            raise ValueError(f"max_concurrent_requests must be >= 0 (0: no limit), got {self.max_concurrent_requests}")
+        if not self.service_timeout_s > 0:
+            raise ValueError(f"service_timeout_s must be > 0, got {self.service_timeout_s}")
+        if self.service_transport not in TRANSPORTS:
+            raise ValueError(f"service_transport must be one of {TRANSPORTS}, got {self.service_transport!r}")
