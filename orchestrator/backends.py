@@ -112,7 +112,6 @@ def _translate(err: grpc.aio.AioRpcError) -> Exception:
     return err
 
 
-
 class _GrpcClient:
     """transport "stream" sends the model calls (Propose, Verify) on one
     long-lived stream per client (tandem.multiplex), "unary" as one rpc each."""
