@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from bench.common import (PROMPTS, RESULTS, ModeResult, TandemTally, baselines, count_identical, finish,
-                          hf_assisted_config, hf_generate, hf_time, hf_warm_up, load_hf, parse_args, prompt_ids, resolve_dtype,
-                          tandem_generate, write)
+                          hf_assisted_config, hf_generate, hf_time, hf_warm_up, load_hf, parse_args, prompt_ids,
+                          resolve_dtype, tandem_generate, write)
 from bench.nodes_report import plot, report
 
 log = logging.getLogger("bench.nodes")

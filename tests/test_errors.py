@@ -163,10 +163,7 @@ def test_model_services_check_their_input(random_cluster):
         assert _code(lambda: draft.Propose(stale)) == grpc.StatusCode.FAILED_PRECONDITION
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["orchestrator", "--k-min", "5", "--k-max", "2"], "k_min <= k <= k_max"),
-    (["orchestrator", "--service-timeout", "0"], "service_timeout_s must be > 0"),
-    (["orchestrator", "--max-concurrent-requests", "-1"], "max_concurrent_requests must be >= 0"),
+@pytest.mark.parametrize("argv, words", [  # the orchestrator's own flags: the test after this one
     (["draft", "--model", "/no/such/model"], "no such directory"),
     (["target", "--model", "./missing", "--dtype", "float32"], "no such directory"),
     (["orchestrator", "--redis-url", "redis://127.0.0.1:1/0"], "connecting to 127.0.0.1:1"),
@@ -185,11 +182,13 @@ def test_serve_with_bad_flags_exits_2_with_words(argv, words):
 
 @pytest.mark.parametrize("argv, words", [
     (["--k-min", "5", "--k-max", "2"], "k_min <= k <= k_max"),
+    (["--service-timeout", "0"], "service_timeout_s must be > 0"),
     (["--max-concurrent-requests", "-1"], "max_concurrent_requests must be >= 0"),
 ])
 def test_the_orchestrators_bad_flags_are_refused_before_torch_or_transformers_load(argv, words):
-    """They took about 15 s to report on a slow 2-core VM while the imports ran;
-    here importing either library fails, so the words must come before it."""
+    """As above, and at once: they took about 15 s to report on a slow 2-core VM
+    while the imports ran; here importing either library fails, so the words
+    must come before it."""
     import subprocess
     import sys
 
