@@ -151,6 +151,42 @@ def _hf_run(model, ids: list[int], max_new_tokens: int, assistant=None):
         return model.generate(x, **kwargs)
 
 
+def lean_generate(model, prompts: dict[str, list[int]], new_tokens: int, device: str) -> ModeResult:
+    """Greedy decoding of `model` alone, one token a forward, each one-token
+    forward replayed from a CUDA graph of the lean forward (tandem.lean, as the
+    target service's --graphs verifies): the target alone on the kernels and
+    launches Tandem's graphed verify has, for a fair baseline on a GPU. Stops
+    at an end-of-sequence token, as generate does; untimed warm-up first."""
+    from tandem.lean import LeanRunner
+    from tandem.modeling import LoadedModel, eos_token_ids
+
+    loaded = LoadedModel(model=model, tokenizer=None, model_id="", tokenizer_fingerprint="",
+                         vocab_size=int(model.get_output_embeddings().out_features), max_context=1 << 20,
+                         eos_token_ids=eos_token_ids(model))
+    runner = LeanRunner(loaded, device, fused=False, graphs=True)
+    eos = set(loaded.eos_token_ids)
+
+    def decode(ids: list[int], count: int) -> list[int]:
+        kv = runner.new_cache()
+        token = int(runner.forward(kv, ids, 1)[0].argmax())
+        out = [token]
+        while len(out) < count and token not in eos:
+            token = int(runner.forward(kv, [token], 1)[0].argmax())
+            out.append(token)
+        return out
+
+    for ids in prompts.values():
+        decode(ids, 4)
+    result = ModeResult()
+    for name, ids in prompts.items():
+        start = time.perf_counter()
+        tokens = decode(ids, new_tokens)
+        result.seconds += time.perf_counter() - start
+        result.outputs[name] = tokens
+        result.tokens += len(tokens)
+    return finish(result)
+
+
 def finish(result: ModeResult) -> ModeResult:
     """Tokens/s over the prompts added to an HF mode."""
     result.prompts = len(result.outputs)

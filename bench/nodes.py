@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from bench.common import (PROMPTS, RESULTS, ModeResult, TandemTally, baselines, count_identical, finish,
-                          hf_assisted_config, hf_generate, hf_time, hf_warm_up, load_hf, parse_args, prompt_ids,
-                          resolve_dtype, tandem_generate, write)
+                          hf_assisted_config, hf_generate, hf_time, hf_warm_up, lean_generate, load_hf, parse_args,
+                          prompt_ids, resolve_dtype, tandem_generate, write)
 from bench.nodes_report import plot, report
 
 log = logging.getLogger("bench.nodes")
@@ -332,6 +332,9 @@ def main(argv=None) -> int:
 
     label = config_label(*configs[0])
     target = load_hf(target_path, *configs[0], args.device)
+    if gpu:
+        print(f"(a) target alone, {where}, {label}, one-token forwards replayed from CUDA graphs …", flush=True)
+        modes["a_target_one_core_graphs"] = lean_generate(target, prompts, args.new_tokens, args.device)
     print(f"(a)-(d), prompt by prompt: (a) target alone, {where}, {label}; Tandem on the two nodes", flush=True)
     fixed_ks = [int(k) for k in args.fixed_ks.split(",") if k]
     modes.update(pinned_modes(args, prompts, target, cores, fixed_ks))

@@ -1,8 +1,10 @@
 """What one draft step and one verify cost, each path side by side in one run:
 the draft model's one-token step through Hugging Face's forward (`hf`), the lean
-forward (`lean`, draft_service/lean.py) and, on a GPU, the lean step replayed
+forward (`lean`, tandem/lean.py) and, on a GPU, the lean step replayed
 from a CUDA graph (`graph`); the target's forward of 1 and of k + 1 tokens
-through Hugging Face's forward, as target_service runs it.
+through Hugging Face's forward (`target_forward`), and on a GPU replayed from a
+CUDA graph of the lean forward (`target_forward_graph`), as target_service runs
+it with --graphs off and on.
 
 Each step is timed as the drafter takes it: the forward, then the greedy token
 read back to the host (a GPU sync). The draft is the model as it loads, not
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     if args.steps < 2 or args.reps < 2:
         parser.error("--steps and --reps must be at least 2")
 
-    from draft_service.lean import LeanRunner, unsupported
+    from tandem.lean import MAX_STATIC_ROWS, LeanRunner, unsupported
     from tandem.modeling import ModelConfig, ModelRunner, load, use_gpu_host_settings
 
     device = torch.device(args.device)
@@ -137,20 +139,27 @@ def main(argv=None) -> int:
     del paths, draft
     if not args.skip_target:
         target = load(ModelConfig(args.target, device=args.device, dtype=args.dtype))
-        runner = ModelRunner(target, args.device)
+        runners = {"target_forward": ModelRunner(target, args.device)}
+        if device.type == "cuda" and unsupported(target.model) is None:  # the target service's --graphs
+            runners["target_forward_graph"] = LeanRunner(target, args.device, fused=False, graphs=True,
+                                                         static_rows=MAX_STATIC_ROWS)
         counts = [int(c) for c in args.verify_tokens.split(",")]
-        for count in counts:
-            entry = summary(verify_forwards(runner, count, args.reps, args.warmups))
-            result["target_forward"][str(count)] = entry
-            log.info("target forward of %d tokens: %.2f ms median", count, entry["median_ms"])
+        for key, runner in runners.items():
+            result[key] = {}
+            for count in counts:
+                entry = summary(verify_forwards(runner, count, args.reps, args.warmups))
+                result[key][str(count)] = entry
+                log.info("%s of %d tokens: %.2f ms median", key, count, entry["median_ms"])
         verify = result["target_forward"][str(max(counts))]["median_ms"]  # a verify of the longest block
         result["draft_step_over_verify"] = {name: e["median_ms"] / verify for name, e in result["draft_step"].items()}
     write(args.out, result)
     print(f"{'path':<26}{'median ms':>10}{'p10':>8}{'p90':>8}")
     for name, entry in result["draft_step"].items():
         print(f"{'draft step, ' + name:<26}{entry['median_ms']:>10.2f}{entry['p10_ms']:>8.2f}{entry['p90_ms']:>8.2f}")
-    for count, entry in result["target_forward"].items():
-        print(f"{'target, ' + count + ' tokens':<26}{entry['median_ms']:>10.2f}{entry['p10_ms']:>8.2f}{entry['p90_ms']:>8.2f}")
+    for key, how in (("target_forward", "target"), ("target_forward_graph", "target, graph")):
+        for count, entry in result.get(key, {}).items():
+            print(f"{how + ', ' + count + ' tokens':<26}{entry['median_ms']:>10.2f}{entry['p10_ms']:>8.2f}"
+                  f"{entry['p90_ms']:>8.2f}")
     return 0
 
 

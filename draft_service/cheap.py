@@ -88,7 +88,7 @@ INT4_KERNELS = ("auto", "i4w", "aten")
 def int4_kernel(choice: str = "auto") -> str:
     """Which kernel Int4Linear multiplies with: `choice`, or for "auto"
     tandem/i4w.c wherever it runs (AVX512-VNNI or AVX2), else aten's. With the
-    draft's layers in one C call (draft_service.lean), i4w's step is the cheaper
+    draft's layers in one C call (tandem.lean), i4w's step is the cheaper
     one on AMX too: on a 2-core Xeon VM with AMX, one pinned thread, 32k head,
     20.07 ms against aten's 35.96 alone, and 20.32 against 36.11 and 36.51 beside
     the target's verifies on the other core (bench/RESULTS.md)."""

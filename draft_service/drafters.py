@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from draft_service.cheap import ReducedHead
-from draft_service.lean import LeanRunner
+from tandem.lean import LeanRunner
 from draft_service.ngram import lookup
 from tandem import rng
 from tandem.modeling import ModelRunner
@@ -162,7 +162,7 @@ class ModelDrafter:
         self.min_confidence = min_confidence
         self.vocab_size = runner.loaded.vocab_size
         self._cancelled: threading.Event | None = None  # of the call running on the worker thread
-        if hasattr(runner, "before_layer"):  # draft_service.lean.LeanRunner
+        if hasattr(runner, "before_layer"):  # tandem.lean.LeanRunner
             runner.before_layer = self._abort_if_cancelled
         else:
             for layer in decoder_layers(runner.model):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from draft_service.cheap import (INT4_KERNELS, QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel,
                                  quantize_int4, quantize_int8)
-from draft_service.lean import LEAN_STEP, lean_runner
+from tandem.lean import LEAN_STEP, lean_runner
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, Proposal, ProposeCall
 from draft_service.prepared import Prepared, skip_held
 from tandem import multiplex, serving, telemetry
@@ -34,7 +34,7 @@ class DraftOptions:
     ngram_max: int = 4  # longest n-gram matched by prompt lookup
     quantize: str = "none"  # "int8" (dynamic, float32), "int4" (on int4_kernel's kernel), "auto": cheap.auto_quantize
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
-    lean_step: str = "auto"  # draft_service.lean: "on", "aten", "off", "auto" (for the models it supports)
+    lean_step: str = "auto"  # tandem.lean: "on", "aten", "off", "auto" (for the models it supports)
     int4_kernel: str = "auto"  # Int4Linear's kernel under quantize="int4": "i4w", "aten", "auto": cheap.int4_kernel
 
     def __post_init__(self):

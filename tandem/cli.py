@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start a service").add_subparsers(dest="role", required=True)
     target = serve.add_parser("target", help="the target model service")
     _add_model_flags(target, "default-target", 50052)
+    target.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
+                        help="on a GPU, run a verify of up to 16 tokens by replaying a CUDA graph of the lean forward "
+                             "(tandem/lean.py: a plain loop over the layers on a preallocated KV cache; Qwen2, Llama, "
+                             "Mistral), captured once per block length and cache capacity; off = Hugging Face's "
+                             "forward; auto = on for a supported model on a GPU, off on a CPU (default: %(default)s)")
     draft = serve.add_parser("draft", help="the draft service")
     _add_model_flags(draft, "default-draft", 50053)
     draft.add_argument("--backend", default="model", choices=["model", "ngram", "ngram+model"],
@@ -305,9 +310,11 @@ def _serve(args) -> None:
                                 linear=args.linear, inline_compute=args.inline_compute)
             cache = CacheConfig(budget_mb=args.cache_mb, session_ttl_s=args.session_ttl)
             if args.role == "target":
+                if args.graphs == "on" and not model.device.startswith("cuda"):
+                    raise ValueError(f"--graphs on needs a CUDA device, not {model.device}")
                 from target_service.server import SERVICE_NAME as name, build_server
 
-                server, port, health, servicer = build_server(address, model, cache)
+                server, port, health, servicer = build_server(address, model, cache, graphs=args.graphs)
             else:
                 from draft_service.server import SERVICE_NAME as name, DraftOptions, build_server
 

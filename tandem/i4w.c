@@ -272,7 +272,7 @@ void tandem_i4w_linear(const float *x, const uint8_t *w, const float *bias, floa
     }
 }
 
-/* ---- The draft's decoder layers for a few tokens in one call (draft_service.lean) ----
+/* ---- The draft's decoder layers for a few tokens in one call (tandem.lean) ----
    A draft step of the default draft spends about 10 ms in the layers above and,
    on a one-thread VM, 7-10 ms more in the Python and aten calls around them
    (about 40 small ops a layer). This runs a Llama-family layer stack

@@ -44,7 +44,7 @@ ms for one row, 45–46 ms for two (the same bits; tandem/i4w.c; `python -m
 bench.i4w_probe`).
 
 `layers` runs a Llama-family layer stack on these layers in one C call, for
-the draft's lean step (draft_service.lean)."""
+the draft's lean step (tandem.lean)."""
 from __future__ import annotations
 
 import ctypes

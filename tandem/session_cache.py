@@ -38,7 +38,7 @@ class SessionCache:
     model drafter lets the history run ahead of the KV and catches up in one
     forward when the model is needed."""
 
-    kv: object  # transformers DynamicCache, draft_service.lean.StaticKV, or NullKV
+    kv: object  # transformers DynamicCache, tandem.lean.StaticKV, or NullKV
     tokens: list[int] = field(default_factory=list)  # the history
     fps: list[int] = field(default_factory=list)  # fps[i]: fingerprint of tokens[:i+1]
     kv_len: int = 0  # tokens[:kv_len] are in kv
@@ -85,7 +85,7 @@ class SessionCache:
         say its length (not a plain DynamicLayer); the caller then drops the cache."""
         from transformers.cache_utils import DynamicLayer
 
-        if hasattr(self.kv, "drop_partial_step"):  # draft_service.lean.StaticKV
+        if hasattr(self.kv, "drop_partial_step"):  # tandem.lean.StaticKV
             self.kv.drop_partial_step(self.kv_len)
             return True
         layers = getattr(self.kv, "layers", ())
@@ -103,7 +103,7 @@ class SessionCache:
         return length <= len(self.fps) and self.fps[length - 1] == fp
 
     def nbytes(self) -> int:
-        if callable(getattr(self.kv, "nbytes", None)):  # draft_service.lean.StaticKV
+        if callable(getattr(self.kv, "nbytes", None)):  # tandem.lean.StaticKV
             return self.kv.nbytes() + 16 * len(self.tokens)
         # The storage, not the tensor: a cropped layer is a view that still
         # holds the rejected drafts' keys and values until its next update.

@@ -8,7 +8,8 @@ import torch
 
 from tandem import cpu_kernels, multiplex, serving, telemetry
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
-from tandem.modeling import ModelConfig, ModelRunner, load
+from tandem.lean import LeanRunner, MAX_STATIC_ROWS, unsupported
+from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import decode_distribution, sampling_from_proto
@@ -20,6 +21,30 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 AMX_TREE_WIDTH = 4
+GRAPHS = ("auto", "on", "off")
+
+
+def target_runner(loaded: LoadedModel, device: str, graphs: str) -> ModelRunner | LeanRunner:
+    """The runner of --graphs: on a GPU, a verify of up to MAX_STATIC_ROWS
+    tokens replays a CUDA graph of the lean forward, captured once per block
+    length and cache capacity (tandem/lean.py). A verify of the default target
+    (k = 3) on an H200 is about 3.75 ms of kernels behind some 1,300 launches,
+    and took 21.6-23.7 ms through Hugging Face's eager forward (bench/RESULTS.md);
+    a graph launches them as one. Longer feeds (a prompt) run the lean forward
+    op by op. Off, and on a CPU: Hugging Face's forward, on the CPU kernels of
+    tandem.cpu_kernels."""
+    if graphs not in GRAPHS:
+        raise ValueError(f"graphs must be one of {GRAPHS}, got {graphs!r}")
+    gpu = torch.device(device).type == "cuda"
+    reason = unsupported(loaded.model) if gpu else f"device {device} (CUDA graphs need a GPU)"
+    if graphs == "on" and reason is not None:
+        raise ValueError(f"--graphs on: {reason}")
+    if graphs == "off" or reason is not None:
+        if graphs == "auto" and gpu:
+            log.info("verifies run Hugging Face's forward: the lean forward does not support %s", reason)
+        return ModelRunner(loaded, device)
+    log.info("verifies of up to %d tokens replay CUDA graphs of the lean forward", MAX_STATIC_ROWS)
+    return LeanRunner(loaded, device, fused=False, graphs=True, static_rows=MAX_STATIC_ROWS)
 
 
 def suggested_tree_width(model: ModelConfig, runner: ModelRunner) -> int:
@@ -40,11 +65,13 @@ def suggested_tree_width(model: ModelConfig, runner: ModelRunner) -> int:
 class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
     role = "target"
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig()):
+    def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto"):
+        if graphs not in GRAPHS:
+            raise ValueError(f"graphs must be one of {GRAPHS}, got {graphs!r}")
         worker = serving.ModelWorker("target-model")
         info = worker.start_up(load, model)
         worker.inline = inline_compute(model.inline_compute, model.device)
-        runner = ModelRunner(info, model.device)
+        runner = worker.start_up(target_runner, info, model.device, graphs)
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
         super().__init__(info, store, worker)
         self.verifier = Verifier(runner, store)
@@ -143,9 +170,9 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             )
 
 
-def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig()):
+def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto"):
     """Returns (server, port, health, servicer); the caller starts the server."""
-    servicer = TargetServicer(model, cache)
+    servicer = TargetServicer(model, cache, graphs)
 
     def register(server):
         target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)

@@ -166,6 +166,7 @@ def test_model_services_check_their_input(random_cluster):
 @pytest.mark.parametrize("argv, words", [  # the orchestrator's own flags: the test after this one
     (["draft", "--model", "/no/such/model"], "no such directory"),
     (["target", "--model", "./missing", "--dtype", "float32"], "no such directory"),
+    (["target", "--graphs", "on"], "--graphs on needs a CUDA device, not cpu"),
     (["orchestrator", "--redis-url", "redis://127.0.0.1:1/0"], "connecting to 127.0.0.1:1"),
 ])
 def test_serve_with_bad_flags_exits_2_with_words(argv, words):

@@ -1,4 +1,4 @@
-"""The draft's lean forward (draft_service/lean.py) computes what Hugging Face's
+"""The draft's lean forward (tandem/lean.py) computes what Hugging Face's
 forward computes, on its own preallocated cache, and falls back where it cannot."""
 import threading
 from dataclasses import replace
@@ -10,7 +10,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from draft_service.cheap import Int4Linear, quantize_int4
 from draft_service.drafters import ModelDrafter
-from draft_service.lean import LeanRunner, StaticKV, lean_runner, unsupported
+from tandem.lean import MAX_STATIC_ROWS, LeanRunner, StaticKV, lean_runner, unsupported
 from tandem import i4w
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
@@ -235,57 +235,135 @@ def test_a_cancelled_lean_draft_stops_between_layers_and_its_cache_goes_on_exact
 
 
 def _static_steps_match_the_per_op_path(loaded: LoadedModel, device: str, graphs: bool) -> None:
-    """One-token steps through LeanRunner.static_step (the function a CUDA graph
-    captures: the position as a tensor, attention over the whole capacity behind
-    a mask), eagerly or replayed from a graph, give the per-op path's hidden
-    states and keys, also after a crop leaves stale keys past the position."""
-    static, per_op = LeanRunner(loaded, device, fused=False, graphs=graphs), LeanRunner(loaded, device, fused=False)
+    """Feeds of 1 to 4 tokens through the static forward on the runner's buffers
+    (LeanRunner.static_block: the function a CUDA graph captures, with the
+    position as a tensor and attention over the whole capacity behind a mask),
+    eagerly or replayed from a graph, give the per-op path's hidden states and
+    keys, also after a crop leaves stale keys past the position."""
+    static = LeanRunner(loaded, device, fused=False, graphs=graphs, static_rows=MAX_STATIC_ROWS)
+    per_op = LeanRunner(loaded, device, fused=False)
     prompt = [(7 * i + 3) % 60 + 1 for i in range(20)]
     with torch.inference_mode():
         kv, reference_kv = static.new_cache(), per_op.new_cache()
         static._hidden(kv, prompt)
         per_op._hidden(reference_kv, prompt)
-
-        def step(token: int) -> torch.Tensor:
-            if graphs:
-                return static._hidden(kv, [token]).clone()
-            position = torch.tensor([kv.length], device=device)
-            static._rotary_table(kv.keys.shape[2])
-            got = static.static_step(kv.keys, kv.values, torch.tensor([token], device=device), position,
-                                     static.cos[:kv.keys.shape[2]], static.sin[:kv.keys.shape[2]])
-            kv.length += 1
-            return got
-
-        for i, token in enumerate([9, 11, 2, 3, 1, 17, 5, 8]):
-            if i == 5:
-                kv.crop(-3)  # three stale positions past the end
-                reference_kv.crop(-3)
-            got, expected = step(token), per_op._hidden(reference_kv, [token])
+        feeds = [[9], [11, 2, 3], [1], [17, 5], [8, 4, 6, 10], [12], [13, 14, 15]]
+        for i, feed in enumerate(feeds):
+            if i in (3, 5):
+                kv.crop(-2)  # stale positions past the end
+                reference_kv.crop(-2)
+            got, expected = static._hidden(kv, feed).clone(), per_op._hidden(reference_kv, feed)
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
             assert kv.length == reference_kv.length
             torch.testing.assert_close(kv.keys[:, :, :kv.length], reference_kv.keys[:, :, :kv.length],
                                        atol=1e-4, rtol=1e-4)
+        capacity = kv.keys.shape[2]
+        assert sorted(static.banks[capacity].steps) == [1, 2, 3, 4] and kv.keys is static.banks[capacity].keys
 
 
-def test_the_static_step_matches_the_per_op_path(tiny_models):
+def test_the_static_forward_matches_the_per_op_path(tiny_models):
     loaded = load(ModelConfig(tiny_models["other"], dtype="float32"))
     _static_steps_match_the_per_op_path(loaded, "cpu", graphs=False)
     _static_steps_match_the_per_op_path(_tiny_llama(), "cpu", graphs=False)
 
 
+def _sessions_take_turns(runner: LeanRunner, reference: LeanRunner, device: str) -> None:
+    """Three sessions take turns on the static runner's buffers; each gives what
+    it gives alone on the per-op path, and one that grows past the capacity
+    moves on to the next capacity's buffers."""
+    with torch.inference_mode():
+        caches = [runner.new_cache() for _ in range(3)]
+        references = [reference.new_cache() for _ in range(3)]
+        first = runner.new_cache().min_capacity
+        prompts = [[(5 * i + s) % 60 + 1 for i in range(12 + 7 * s)] for s in range(3)]
+        for kv, reference_kv, prompt in zip(caches, references, prompts):
+            runner._hidden(kv, prompt)
+            reference._hidden(reference_kv, prompt)
+        for turn in range(6):
+            for s, (kv, reference_kv) in enumerate(zip(caches, references)):
+                feed = [(turn * 3 + s + j) % 50 + 2 for j in range(1 + (turn + s) % 3)]
+                if s == 2 and turn == 3:  # past the first capacity: a prompt-sized feed, then steps on new buffers
+                    feed = [(j * 11) % 50 + 2 for j in range(first - kv.length + 1)]
+                got = runner._hidden(kv, feed).clone()
+                torch.testing.assert_close(got, reference._hidden(reference_kv, feed), atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(kv.keys[:, :, :kv.length], reference_kv.keys[:, :, :kv.length],
+                                           atol=1e-4, rtol=1e-4)
+            held = [kv for kv in caches if kv.keys is runner.banks[first].keys]
+            assert len(held) <= 1  # at most one cache runs on a bank's buffers; the others hold copies
+        assert caches[2].keys.shape[2] == 2 * first and caches[2].keys is runner.banks[2 * first].keys
+        assert caches[2].keys is not runner.banks[first].keys
+
+
+def test_sessions_take_turns_on_the_static_buffers(tiny_models):
+    """The static steps' buffers belong to the runner (one pair per capacity):
+    a session moves its keys and values into them when it runs, and the session
+    there before keeps a copy. Interleaved sessions stay each its own."""
+    loaded = load(ModelConfig(tiny_models["other"], dtype="float32"))
+    _sessions_take_turns(LeanRunner(loaded, "cpu", fused=False, static_rows=MAX_STATIC_ROWS),
+                         LeanRunner(loaded, "cpu", fused=False), "cpu")
+
+
+def test_a_lean_target_verifies_as_hugging_face_does(tiny_models):
+    """The target service's verifier on the lean forward (the path --graphs
+    replays on a GPU, here run eagerly on the CPU) gives the verdicts and the
+    cache that Hugging Face's forward gives, block after block, with rejections."""
+    from target_service.server import target_runner
+    from target_service.verifier import Verifier, VerifyCall
+    from tandem import fingerprint
+    from tandem.sampling import SamplingParams
+
+    loaded = load(ModelConfig(tiny_models["target"], dtype="float32"))
+    assert isinstance(target_runner(loaded, "cpu", "auto"), ModelRunner)  # a CPU keeps its own kernels
+    with pytest.raises(ValueError, match="CUDA graphs need a GPU"):
+        target_runner(loaded, "cpu", "on")
+    prompt = [3, 17, 29, 4, 8, 51, 2]
+    with torch.inference_mode():
+        reference = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
+                                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0].tolist()
+    outcomes = []
+    for runner in (ModelRunner(loaded, "cpu"), LeanRunner(loaded, "cpu", fused=False, static_rows=MAX_STATIC_ROWS)):
+        verifier = Verifier(runner, SessionCacheStore(runner.new_cache, 0, 60))
+        committed, fed, verdicts = list(prompt), 0, []
+        for round_ in range(40):
+            k = 1 + round_ % 4
+            if len(committed) + k + 1 > len(reference):
+                break
+            draft = reference[len(committed):len(committed) + k]
+            wrong = round_ % (k + 2)  # a wrong token at that draft position, or none
+            if wrong < k:
+                draft[wrong] = (draft[wrong] + 1) % loaded.vocab_size
+            prefix = committed[:fed]
+            call = VerifyCall(session_id="s", prefix_len=fed,
+                              prefix_fp=fingerprint.prefix_table(prefix)[-1] if prefix else fingerprint.EMPTY,
+                              new_tokens=committed[fed:], draft_tokens=draft, draft_probs=[], draft_dists=None,
+                              sampling=SamplingParams())
+            outcome = verifier.verify(call)
+            verdicts.append((outcome.accepted, outcome.next_token))
+            fed = len(committed) + outcome.accepted
+            committed += draft[:outcome.accepted] + [outcome.next_token]
+        outcomes.append((verdicts, committed))
+    (hf_verdicts, hf_committed), (lean_verdicts, lean_committed) = outcomes
+    assert lean_verdicts == hf_verdicts
+    assert lean_committed == hf_committed == reference[:len(hf_committed)]
+    accepted = [a for a, _ in hf_verdicts]
+    assert 0 in accepted and max(accepted) == 4 and len(accepted) >= 10
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graphed_steps_match_the_per_op_path_on_a_gpu(tiny_models):
-    """As above, replayed from a CUDA graph, in float32 on the GPU; a cache that
-    grows past its capacity gets a new graph on its new buffers."""
+    """As above, replayed from CUDA graphs, in float32 on the GPU: sessions take
+    turns on graphs captured once, and a cache that grows past its capacity
+    moves on to the next capacity's buffers and graphs."""
     loaded = load(ModelConfig(tiny_models["other"], device="cuda", dtype="float32"))
     _static_steps_match_the_per_op_path(loaded, "cuda", graphs=True)
-    runner = LeanRunner(loaded, "cuda", graphs=True)
+    runner = LeanRunner(loaded, "cuda", graphs=True, static_rows=MAX_STATIC_ROWS)
+    _sessions_take_turns(runner, LeanRunner(loaded, "cuda", fused=False), "cuda")
+    first = runner.new_cache().min_capacity
+    graphs = {rows: step.graph for rows, step in runner.banks[first].steps.items()}
+    assert graphs and all(g is not None for g in graphs.values())
     with torch.inference_mode():
         kv = runner.new_cache()
-        runner._hidden(kv, [i % 60 + 1 for i in range(254)])
-        runner._hidden(kv, [3])
-        first = kv.graph
-        runner._hidden(kv, [4])
-        assert kv.graph is first and kv.keys.shape[2] == 256
-        runner._hidden(kv, [5])  # position 256: the cache doubles
-        assert kv.keys.shape[2] == 512 and kv.graph is not first and kv.graph.holds(kv)
+        runner._hidden(kv, [5] * 30)
+        runner._hidden(kv, [6, 7])
+        runner._hidden(kv, [8])
+    assert {rows: step.graph for rows, step in runner.banks[first].steps.items()} == graphs  # none captured again

@@ -21,16 +21,23 @@ layer stack in one C call (_FusedLayers, tandem_i4w_layers): one step of the
 default draft took 9.67 ms against 16.00 ms per op (Zen 4 VM, one thread).
 
 On a GPU a step is bound by the host: a few ms of kernels behind hundreds of
-launches. There a one-token step replays a CUDA graph (_GraphStep), captured
-once per session cache and capacity, of a step whose shapes never change: the
-position is a tensor, the keys and values go in with index_copy_, and the
-attention covers the whole capacity behind a mask. Measured on an H100 (the
-default draft's shapes, bf16, bench.step_probe): a step took 3.6 ms replayed,
-11.8-13.4 ms eagerly here and 17.8-22.0 ms through Hugging Face's forward.
+launches. There a feed of up to `static_rows` tokens replays a CUDA graph
+(_Step) of a forward whose shapes never change: the position is a tensor, the
+keys and values go in with index_copy_, and the attention covers the whole
+capacity behind a mask. The graphs read and write the runner's own buffers, one
+pair per capacity (_Bank), so they are captured once per process, not once per
+session: a session's cache moves into its capacity's buffers when it runs there
+(a copy of its keys and values, microseconds on a GPU), and the session that
+held them before gets a copy of its own. The draft replays one-token steps;
+the target service (--graphs) replays its verify blocks of up to 16 tokens.
+Measured on an H100 (the default draft's shapes, bf16, bench.step_probe): a
+draft step took 3.6 ms replayed, 11.8-13.4 ms eagerly here and 17.8-22.0 ms
+through Hugging Face's forward.
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable
 
 import torch
@@ -117,17 +124,18 @@ class StaticKV:
     attends over the whole capacity behind a mask, and a NaN in a masked
     position still poisons the softmax (0 * NaN)."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 min_capacity: int = 256):
         self.keys = torch.empty((layers, kv_heads, 0, head_dim), dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
         self.length = 0
-        self.graph: _GraphStep | None = None  # LeanRunner's captured one-token step on these buffers
+        self.min_capacity = min_capacity
 
     def reserve(self, length: int) -> None:
         layers, heads, capacity, head_dim = self.keys.shape
         if length <= capacity:
             return
-        capacity = max(256, 1 << (length - 1).bit_length())
+        capacity = max(self.min_capacity, 1 << (length - 1).bit_length())
         for name in ("keys", "values"):
             held = getattr(self, name)
             grown = held.new_zeros((layers, heads, capacity, head_dim))
@@ -152,13 +160,21 @@ class StaticKV:
         return self.keys.nbytes + self.values.nbytes
 
 
-class LeanRunner:
-    """ModelRunner's interface (new_cache, forward, last_hidden) over StaticKV
-    caches, for the models `unsupported` accepts. `before_layer`, when set, runs
-    before each layer (the drafter's cancellation check). `graphs`: one-token
-    steps replay a CUDA graph (on a CUDA device only)."""
+GRAPH_MIN_CAPACITY = 1024  # a graphed runner's caches start here: a cache that grows meets a capacity whose graphs are not captured yet
 
-    def __init__(self, loaded, device: str, fused: bool = True, graphs: bool = False):
+
+class LeanRunner:
+    """ModelRunner's interface (new_cache, forward, forward_block, last_hidden)
+    over StaticKV caches, for the models `unsupported` accepts. `before_layer`,
+    when set, runs before each layer (the drafter's cancellation check).
+
+    `static_rows`: feeds of up to that many tokens run the static forward on the
+    runner's buffers (_Bank); `graphs`: they replay a CUDA graph of it (on a CUDA
+    device only). Without graphs the static forward runs as it is: tests check
+    it and the buffers' hand-over on the CPU. The default is 1 with graphs (the
+    draft's one-token steps), else 0 (the per-op path for every feed)."""
+
+    def __init__(self, loaded, device: str, fused: bool = True, graphs: bool = False, static_rows: int | None = None):
         self.loaded = loaded
         self.model = model = loaded.model
         self.device = torch.device(device)
@@ -181,11 +197,16 @@ class LeanRunner:
         if graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         self.graphs = graphs
+        self.static_rows = (1 if graphs else 0) if static_rows is None else static_rows
+        if not 0 <= self.static_rows <= MAX_STATIC_ROWS:
+            raise ValueError(f"static_rows must lie in [0, {MAX_STATIC_ROWS}], got {self.static_rows}")
+        self.banks: dict[int, _Bank] = {}  # by capacity
         if graphs:
-            log.info("one-token draft steps replay a CUDA graph")
+            log.info("feeds of up to %d tokens replay a CUDA graph", self.static_rows)
 
     def new_cache(self) -> StaticKV:
-        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
+        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device,
+                        GRAPH_MIN_CAPACITY if self.graphs else 256)
 
     def _rotary_table(self, length: int) -> None:
         if length <= self.cos.shape[0]:
@@ -202,8 +223,8 @@ class LeanRunner:
         count, start = len(tokens), kv.length
         end = start + count
         kv.reserve(end)
-        if self.graphs and count == 1:
-            return self._graph_step(kv, tokens[0])
+        if count <= self.static_rows:
+            return self._static(kv, tokens)
         self._rotary_table(end)
         cos, sin = self.cos[start:end], self.sin[start:end]
         if self.fused is not None and count <= FUSED_ROWS:
@@ -232,40 +253,44 @@ class LeanRunner:
         kv.length = end
         return x
 
-    def _graph_step(self, kv: StaticKV, token: int) -> torch.Tensor:
-        step = kv.graph
-        if step is None or not step.holds(kv):
-            self._rotary_table(kv.keys.shape[2])
-            step = kv.graph = _GraphStep(self, kv)
+    def _static(self, kv: StaticKV, tokens: list[int]) -> torch.Tensor:
+        capacity = kv.keys.shape[2]
+        bank = self.banks.get(capacity)
+        if bank is None:
+            self._rotary_table(capacity)
+            bank = self.banks[capacity] = _Bank(self, kv)
+        bank.admit(kv)
         if self.before_layer is not None:
             self.before_layer()  # the only check: the layers run in one replay
-        x = step(token, kv.length)
-        kv.length += 1
+        x = bank.step(len(tokens))(tokens, kv.length)
+        kv.length += len(tokens)
         return x
 
-    def static_step(self, keys: torch.Tensor, values: torch.Tensor, token: torch.Tensor, position: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One token through the layers with shapes that do not depend on the
-        position: token and position are [1] int64 tensors on the device, keys
-        and values a StaticKV's whole buffers ([layers, kv_heads, capacity,
-        head_dim]), cos and sin the rotary table over the capacity. Writes the
-        token's keys and values at `position` and attends to every position up
-        to it. Returns its [1, hidden] state before the final norm. _GraphStep
-        captures it; it runs as it is anywhere (tests run it on the CPU)."""
+    def static_block(self, keys: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor, position: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """T tokens through the layers with shapes that do not depend on the
+        position: tokens is a [T] and position a [1] int64 tensor on the device
+        (the first token's position), keys and values a bank's whole buffers
+        ([layers, kv_heads, capacity, head_dim]), cos and sin the rotary table
+        over the capacity. Writes the tokens' keys and values at their positions,
+        and each token attends to every position up to its own. Returns their
+        [T, hidden] states before the final norm. _Step captures it; it runs as
+        it is anywhere (tests run it on the CPU)."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        capacity = keys.shape[2]
-        cos, sin = cos.index_select(0, position), sin.index_select(0, position)  # [1, head_dim]
-        mask = (torch.arange(capacity, device=keys.device) <= position)[None]  # [1, capacity]
-        x = self.embedding.index_select(0, token)  # [1, hidden]
+        count, capacity = tokens.shape[0], keys.shape[2]
+        positions = position + torch.arange(count, device=keys.device)  # [T]
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)  # [T, head_dim]
+        mask = torch.arange(capacity, device=keys.device)[None] <= positions[:, None]  # [T, capacity]
+        x = self.embedding.index_select(0, tokens)  # [T, hidden]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.norm1, layer.eps1)
-            q = _rotate(layer.q(h).view(1, heads, head_dim).transpose(0, 1), cos, sin)
-            k = _rotate(layer.k(h).view(1, kv_heads, head_dim).transpose(0, 1), cos, sin)
-            keys[i].index_copy_(1, position, k)
-            values[i].index_copy_(1, position, layer.v(h).view(1, kv_heads, head_dim).transpose(0, 1))
+            q = _rotate(layer.q(h).view(count, heads, head_dim).transpose(0, 1), cos, sin)
+            k = _rotate(layer.k(h).view(count, kv_heads, head_dim).transpose(0, 1), cos, sin)
+            keys[i].index_copy_(1, positions, k)
+            values[i].index_copy_(1, positions, layer.v(h).view(count, kv_heads, head_dim).transpose(0, 1))
             attended = F.scaled_dot_product_attention(q[None], keys[i, None], values[i, None], attn_mask=mask,
-                                                      enable_gqa=kv_heads != heads)  # [1, heads, 1, hd]
-            x = x + layer.o(attended[0].transpose(0, 1).reshape(1, heads * head_dim))
+                                                      enable_gqa=kv_heads != heads)  # [1, heads, T, hd]
+            x = x + layer.o(attended[0].transpose(0, 1).reshape(count, heads * head_dim))
             h = _rms_norm(x, layer.norm2, layer.eps2)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return x
@@ -277,6 +302,15 @@ class LeanRunner:
         hidden = self.norm(self._hidden(kv, tokens)[-logits_to_keep:])
         return self.head(hidden).float()
 
+    def forward_block(self, kv: StaticKV, tokens: list[int], k: int) -> torch.Tensor:
+        """As ModelRunner.forward_block (the target service's verify): [k + 1,
+        vocab] float32 logits after the token before the block and after each of
+        the block's k tokens."""
+        return self.forward(kv, tokens, logits_to_keep=k + 1)
+
+    verifies_trees = False  # no forward_tree: a verify takes the block alone
+    attends_row_by_row = False
+
     @torch.inference_mode()
     def last_hidden(self, kv: StaticKV, tokens: list[int]) -> torch.Tensor:
         """As ModelRunner.last_hidden: the [hidden] state of the last token."""
@@ -284,44 +318,81 @@ class LeanRunner:
         return self.norm(self._hidden(kv, tokens)[-1:])[0]
 
 
-class _GraphStep:
-    """LeanRunner.static_step on one StaticKV's buffers, captured as a CUDA graph
-    on its first call: two warm-up runs on a side stream (they write the same
-    keys and values at the same position as the replay after them), then the
-    capture, then a replay per step. It holds the tensors the graph reads (the
-    buffers, the rotary table of the time), so none is freed under it; a cache
-    that grows gets new buffers and a new graph. Each graph keeps its own memory
-    pool for the step's intermediates (one token's activations), which the
-    session cache budget does not count; it goes with the session's cache."""
+MAX_STATIC_ROWS = 16
 
-    WARMUPS = 2
+
+class _Bank:
+    """The runner's keys and values of one capacity, which its static steps read
+    and write, and those steps (_Step), one per feed length. The cache that runs
+    on them (the resident) holds these very tensors as its own; a cache that
+    comes to run here has its keys and values copied in and takes them over, and
+    the resident before it gets copies of its own. So the steps' tensors never
+    change, and a graph of them is captured once, whatever the session."""
 
     def __init__(self, runner: LeanRunner, kv: StaticKV):
         self.runner = runner
-        self.keys, self.values = kv.keys, kv.values
+        self.keys, self.values = torch.zeros_like(kv.keys), torch.zeros_like(kv.values)
         capacity = kv.keys.shape[2]
         self.cos, self.sin = runner.cos[:capacity], runner.sin[:capacity]
-        self.token = torch.zeros(1, dtype=torch.long, device=runner.device)
-        self.position = torch.zeros(1, dtype=torch.long, device=runner.device)
+        self.resident: weakref.ref | None = None
+        self.steps: dict[int, _Step] = {}
+
+    def admit(self, kv: StaticKV) -> None:
+        if kv.keys is self.keys:
+            return
+        assert kv.keys.shape == self.keys.shape, (kv.keys.shape, self.keys.shape)
+        resident = self.resident() if self.resident is not None else None
+        if resident is not None and resident.keys is self.keys:
+            resident.keys, resident.values = self.keys.clone(), self.values.clone()
+        self.keys.copy_(kv.keys)
+        self.values.copy_(kv.values)
+        kv.keys, kv.values = self.keys, self.values
+        self.resident = weakref.ref(kv)
+
+    def step(self, rows: int) -> "_Step":
+        step = self.steps.get(rows)
+        if step is None:
+            step = self.steps[rows] = _Step(self, rows)
+        return step
+
+
+class _Step:
+    """LeanRunner.static_block of `rows` tokens on a bank's buffers. With the
+    runner's graphs on, it is captured as a CUDA graph on its first call: two
+    warm-up runs on a side stream (they write the same keys and values at the
+    same positions as the replay after them), then the capture, then a replay
+    per call. Each graph keeps its own memory pool for the step's intermediates
+    (a few tokens' activations), which the session cache budget does not count."""
+
+    WARMUPS = 2
+
+    def __init__(self, bank: _Bank, rows: int):
+        self.bank, self.runner = bank, bank.runner
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.runner.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
 
-    def holds(self, kv: StaticKV) -> bool:
-        return self.keys is kv.keys and self.values is kv.values
-
     def _run(self) -> torch.Tensor:
-        return self.runner.static_step(self.keys, self.values, self.token, self.position, self.cos, self.sin)
+        bank = self.bank
+        return self.runner.static_block(bank.keys, bank.values, self.tokens, self.position, bank.cos, bank.sin)
 
-    def __call__(self, token: int, position: int) -> torch.Tensor:
-        self.token.fill_(token)
+    def __call__(self, tokens: list[int], position: int) -> torch.Tensor:
+        if len(tokens) == 1:
+            self.tokens.fill_(tokens[0])
+        else:
+            self.tokens.copy_(torch.tensor(tokens, dtype=torch.long))
         self.position.fill_(position)
+        if not self.runner.graphs:
+            return self._run()
         if self.graph is None:
-            side = torch.cuda.Stream(self.runner.device)
-            side.wait_stream(torch.cuda.current_stream(self.runner.device))
+            device = self.runner.device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(self.WARMUPS):
                     self._run()
-            torch.cuda.current_stream(self.runner.device).wait_stream(side)
+            torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.output = self._run()
