@@ -163,7 +163,7 @@ def lean_generate(model, prompts: dict[str, list[int]], new_tokens: int, device:
     loaded = LoadedModel(model=model, tokenizer=None, model_id="", tokenizer_fingerprint="",
                          vocab_size=int(model.get_output_embeddings().out_features), max_context=1 << 20,
                          eos_token_ids=eos_token_ids(model))
-    runner = LeanRunner(loaded, device, fused=False, graphs=True)
+    runner = LeanRunner(loaded, device, fused=False, graphs=torch.device(device).type == "cuda", static_rows=1)
     eos = set(loaded.eos_token_ids)
 
     def decode(ids: list[int], count: int) -> list[int]:

@@ -332,7 +332,9 @@ def main(argv=None) -> int:
 
     label = config_label(*configs[0])
     target = load_hf(target_path, *configs[0], args.device)
-    if gpu:
+    from tandem.lean import unsupported
+
+    if gpu and unsupported(target) is None:
         print(f"(a) target alone, {where}, {label}, one-token forwards replayed from CUDA graphs …", flush=True)
         modes["a_target_one_core_graphs"] = lean_generate(target, prompts, args.new_tokens, args.device)
     print(f"(a)-(d), prompt by prompt: (a) target alone, {where}, {label}; Tandem on the two nodes", flush=True)
