@@ -71,12 +71,15 @@ class Cluster:
                  draft_options=None, k: int = 4, adaptive: bool = False, pipeline: bool = True,
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
-                 inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4):
+                 inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
+                 target_graphs: str = "auto"):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
         # that every greedy end-to-end test verifies alternatives as well as
-        # tests/test_tree.py (None: auto).
+        # tests/test_tree.py (None: auto). target_graphs: the target service's
+        # --graphs; auto replays CUDA graphs on a GPU (TANDEM_TEST_DEVICE=cuda),
+        # whose verify takes the block alone (no alternatives).
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -87,7 +90,7 @@ class Cluster:
                            max_concurrent_requests=max_concurrent_requests, tokenizer=tokenizer,
                            prefill_overlap=prefill_overlap, target_linear=target_linear,
                            inline_compute=inline_compute, relay=relay, relay_address=relay_address,
-                           tree_width=tree_width)
+                           tree_width=tree_width, target_graphs=target_graphs)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -103,7 +106,7 @@ class Cluster:
         cache = CacheConfig(budget_mb=p["cache_mb"], session_ttl_s=0)
         target, target_port, _, self.target = build_target(
             "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"], linear=p["target_linear"],
-                                       inline_compute=p["inline_compute"]), cache)
+                                       inline_compute=p["inline_compute"]), cache, graphs=p["target_graphs"])
         draft, draft_port, _, self.draft = build_draft(
             "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"],
                                        inline_compute=p["inline_compute"]), cache,
