@@ -38,6 +38,7 @@ through Hugging Face's forward.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Callable
 
@@ -357,6 +358,13 @@ class _Bank:
         return step
 
 
+# torch.cuda.graph synchronizes the device as it begins a capture, which fails
+# while another thread of the process is capturing, and spoils that capture
+# (seen on an H200 in the tests' cluster, whose two services share a process).
+# So a process captures one graph at a time.
+_CAPTURE_LOCK = threading.Lock()
+
+
 class _Step:
     """LeanRunner.static_block of `rows` tokens on a bank's buffers. With the
     runner's graphs on, it is captured as a CUDA graph on its first call: two
@@ -374,6 +382,19 @@ class _Step:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
 
+    def _capture(self) -> None:
+        device = self.runner.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUPS):
+                self._run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.output = self._run()
+        self.graph = graph
+
     def _run(self) -> torch.Tensor:
         bank = self.bank
         return self.runner.static_block(bank.keys, bank.values, self.tokens, self.position, bank.cos, bank.sin)
@@ -387,17 +408,8 @@ class _Step:
         if not self.runner.graphs:
             return self._run()
         if self.graph is None:
-            device = self.runner.device
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(self.WARMUPS):
-                    self._run()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.output = self._run()
-            self.graph = graph
+            with _CAPTURE_LOCK:
+                self._capture()
         self.graph.replay()
         return self.output
 
