@@ -6,9 +6,12 @@ thread each), the orchestrator alongside. Modes, side by side in one run:
   (c) Tandem pipelined, fixed k = 2..5       (g) Tandem on the whole machine, unpinned
   (d) Tandem pipelined, adaptive k
 With --device cuda both services share the one GPU, each in its own process,
-and the target alone (a) and HF assisted (f) run on it too; (e) and (g), which
-differ from (a) and (d) only in CPU placement, are not run there, and the
-whole-machine ratio is taken with (d).
+and the target alone (a) and HF assisted (f) run on it too. There (a) also runs
+each one-token forward replayed from a CUDA graph of the lean forward
+(a_target_one_core_graphs, as the target service's --graphs verifies), the
+fair baseline for a graphed verify, and the speedups are over the faster of
+the two. (e) and (g), which differ from (a) and (d) only in CPU placement,
+are not run there, and the whole-machine ratio is taken with (d).
 The pinned modes run prompt by prompt: each prompt goes through (a) in
 Tandem's own kernels, (b), each (c) and (d) before the next prompt starts, so
 that a machine whose speed drifts over minutes shifts them alike. Then (e),

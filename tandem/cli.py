@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "cache instead of Hugging Face's forward (Qwen2, Llama, Mistral): same function, "
                             "less Python per step; auto = on when the model is supported: on a CPU its layers in one C call "
                             "when every projection is int4 on tandem/i4w.c, on a GPU a feed of up to 16 "
-                            "tokens (a step, or the tokens a verify accepted) replays a CUDA graph; aten = the lean forward without either (default: %(default)s)")
+                            "tokens (a step, or the tokens a verify accepted) replays a CUDA graph; aten = the lean "
+                            "forward without either (default: %(default)s)")
     orch = serve.add_parser("orchestrator", help="the public API server")
     orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")
@@ -208,9 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "target's token at the first rejection is that runner-up, the round commits one token "
                            "more. Costs the target N more rows a verify, so it pays where a verify's cost barely "
                            "grows with its rows; auto = the width the target suggests: 4 for bf16 on packed layers "
-                           "with AMX, else 0 (off); a target on --linear bf16dot, or on a GPU with --graphs, verifies the "
-                           "block alone "
-                           "(default: %(default)s)")
+                           "with AMX, else 0 (off); a target on --linear bf16dot, or on a GPU with --graphs, "
+                           "verifies the block alone (default: %(default)s)")
     orch.add_argument("--relay-address", default="",
                       help="the draft service's address as the target reaches it (default: --draft)")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",

@@ -1,4 +1,5 @@
-"""A lean forward pass for the draft model, on a preallocated KV cache.
+"""A lean forward pass on a preallocated KV cache: the draft's steps, and on a
+GPU the target's verifies.
 
 A draft step feeds one token through a small model, and on a CPU a good part of
 its time is not in the matrix products: Hugging Face's general forward runs
@@ -9,9 +10,13 @@ gated SiLU MLP) LeanRunner computes the same function with the model's own
 layers and weights in a plain loop, and writes keys and values in place
 (StaticKV), as gpt-fast does: rollback is a length change.
 
-It changes nothing but the draft's speed. The draft's numbers may differ from
+For the draft it changes nothing but its speed: its numbers may differ from
 Hugging Face's forward in the last bits (another attention path), and the
-target verifies every drafted token, so the output stays the target's.
+target verifies every drafted token, so the output stays the target's. The
+target's verify on it computes the target's function up to those bits, as a
+verify of k+1 tokens already does against one-token decoding: in float32 the
+greedy output equals Hugging Face's generate (tests/test_lean.py, and the
+end-to-end suites on a GPU).
 Measured on a 2-core Zen 5 VM (int8 draft with a 32k head, 200-token cache,
 the same 31 greedy tokens as the HF forward): a step took 17.1 ms against
 20.5 ms on one thread, and 12.0 ms against 15.2 ms on two (bench/RESULTS.md).
@@ -162,7 +167,9 @@ class StaticKV:
         return self.keys.nbytes + self.values.nbytes
 
 
-GRAPH_MIN_CAPACITY = 1024  # a graphed runner's caches start here: a cache that grows meets a capacity whose graphs are not captured yet
+# A graphed runner's caches start here: a cache that grows moves on to a capacity
+# whose graphs may not be captured yet.
+GRAPH_MIN_CAPACITY = 1024
 
 
 class LeanRunner:
@@ -173,8 +180,8 @@ class LeanRunner:
     `static_rows`: feeds of up to that many tokens run the static forward on the
     runner's buffers (_Bank); `graphs`: they replay a CUDA graph of it (on a CUDA
     device only). Without graphs the static forward runs as it is: tests check
-    it and the buffers' hand-over on the CPU. The default is 1 with graphs (the
-    draft's one-token steps), else 0 (the per-op path for every feed)."""
+    it and the buffers' hand-over on the CPU. The default is 1 with graphs
+    (one-token steps), else 0 (the per-op path for every feed)."""
 
     def __init__(self, loaded, device: str, fused: bool = True, graphs: bool = False, static_rows: int | None = None):
         self.loaded = loaded

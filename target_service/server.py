@@ -27,11 +27,12 @@ GRAPHS = ("auto", "on", "off")
 def target_runner(loaded: LoadedModel, device: str, graphs: str) -> ModelRunner | LeanRunner:
     """The runner of --graphs: on a GPU, a verify of up to MAX_STATIC_ROWS
     tokens replays a CUDA graph of the lean forward, captured once per block
-    length and cache capacity (tandem/lean.py). A verify of the default target
-    (k = 3) on an H200 is about 3.75 ms of kernels behind some 1,300 launches,
-    and took 21.6-23.7 ms through Hugging Face's eager forward (bench/RESULTS.md);
-    a graph launches them as one. Longer feeds (a prompt) run the lean forward
-    op by op. Off, and on a CPU: Hugging Face's forward, on the CPU kernels of
+    length and cache capacity (tandem/lean.py). A verify of 3+1 tokens of the
+    default target is about 3.75 ms of kernels behind some 1,300 launches; on an
+    H200 it took 6.19 ms replayed against 18.73 ms through Hugging Face's eager
+    forward (bench/RESULTS.md). Longer feeds (a prompt) run the lean forward op
+    by op. The lean forward verifies the block alone (no alternatives beside it).
+    Off, and on a CPU: Hugging Face's forward, on the CPU kernels of
     tandem.cpu_kernels."""
     if graphs not in GRAPHS:
         raise ValueError(f"graphs must be one of {GRAPHS}, got {graphs!r}")
