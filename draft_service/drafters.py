@@ -14,11 +14,12 @@ from typing import Protocol
 import torch
 
 from draft_service.cheap import ReducedHead
-from tandem.lean import LeanRunner
 from draft_service.ngram import lookup
 from tandem import rng
+from tandem.distributions import logits_to_probs, sample
+from tandem.lean import LeanRunner
 from tandem.modeling import ModelRunner
-from tandem.sampling import SamplingParams, logits_to_probs, sample
+from tandem.sampling import SamplingParams
 from tandem.session_cache import SessionCache, SessionCacheStore
 
 

@@ -8,16 +8,17 @@ from dataclasses import dataclass, replace
 
 from draft_service.cheap import (INT4_KERNELS, QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel,
                                  quantize_int4, quantize_int8)
-from tandem.lean import LEAN_STEP, lean_runner
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, Proposal, ProposeCall
 from draft_service.prepared import Prepared, skip_held
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears
+from tandem.distributions import encode_distribution
+from tandem.lean import LEAN_STEP, lean_runner
 from tandem.model_service import INLINE_MAX_ROWS, CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load, load_identity
 from tandem.session_cache import NullKV, SessionCacheStore
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from tandem.wire import encode_distribution, sampling_from_proto
+from tandem.wire import sampling_from_proto
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name

@@ -8,7 +8,7 @@ import threading
 from orchestrator.backends import DraftBlock, Prefix, ServiceCacheMiss, VerifyResult
 from tandem.sampling import SamplingParams
 from tandem.session_cache import CacheMiss
-from tandem.wire import decode_distribution, encode_distribution
+from tandem.distributions import decode_distribution, encode_distribution
 
 
 class InProcessProposer:

@@ -15,8 +15,8 @@ from orchestrator.guards import admitted, store_unavailable
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
-from tandem.modeling import load_tokenizer, tokenizer_fingerprint
 from tandem.sampling import SamplingParams
+from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from tandem.sampling import sample
+from tandem.distributions import sample
 
 
 @dataclass(frozen=True)

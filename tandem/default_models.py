@@ -200,6 +200,8 @@ def ensure_model(spec: GGUFModelSpec, progress: bool = True, gguf: pathlib.Path 
     out = cache / spec.name
     if _is_done(spec, out):
         return out
+    if gguf is None and "torch" in sys.modules and sys.modules["torch"] is None:
+        return _build_in_child(spec, progress)
     cache.mkdir(parents=True, exist_ok=True)
     with _locked(cache / f".{spec.name}.lock"):
         if _is_done(spec, out):  # another process finished it while we waited
@@ -229,6 +231,21 @@ def ensure_model(spec: GGUFModelSpec, progress: bool = True, gguf: pathlib.Path 
         tmp_marker.write_text(json.dumps({"sha256": spec.sha256, "name": spec.name, "version": spec.version}))
         os.replace(tmp_marker, out / MARKER)
         logger.info("%s: ready in %s (%.1f s)", spec.name, out, time.monotonic() - t_start)
+    return out
+
+
+def _build_in_child(spec: GGUFModelSpec, progress: bool) -> pathlib.Path:
+    """Builds ``spec`` in a process of its own, for a process that keeps torch out
+    (the orchestrator, which needs only the tokenizer: tandem.cli); the build
+    dequantizes with torch."""
+    which = {DEFAULT_TARGET: "target", DEFAULT_DRAFT: "draft"}[spec]
+    command = [sys.executable, "-m", "tandem.default_models", "--which", which, *([] if progress else ["--quiet"])]
+    logger.info("%s: building it in a child process (%s)", spec.name, " ".join(command[1:]))
+    done = subprocess.run(command, stdout=subprocess.DEVNULL)  # its progress and errors go to stderr
+    out = model_cache_dir() / spec.name
+    if done.returncode != 0 or not _is_done(spec, out):
+        raise FetchError(f"{spec.name}: the build in a child process failed (exit {done.returncode}); "
+                         f"run python -m tandem.default_models --which {which} to see why")
     return out
 
 

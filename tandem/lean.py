@@ -27,10 +27,10 @@ default draft took 9.67 ms against 16.00 ms per op (Zen 4 VM, one thread).
 
 On a GPU a step is bound by the host: a few ms of kernels behind hundreds of
 launches. There a feed of up to `static_rows` tokens replays a CUDA graph
-(_Step) of a forward whose shapes never change: the position is a tensor, the
+(tandem/graphs.py) of a forward whose shapes never change: the position is a tensor, the
 keys and values go in with index_copy_, and the attention covers the whole
 capacity behind a mask. The graphs read and write the runner's own buffers, one
-pair per capacity (_Bank), so they are captured once per process, not once per
+pair per capacity, so they are captured once per process, not once per
 session: a session's cache moves into its capacity's buffers when it runs there
 (a copy of its keys and values, microseconds on a GPU), and the session that
 held them before gets a copy of its own. The draft service replays its steps
@@ -43,14 +43,13 @@ through Hugging Face's forward.
 from __future__ import annotations
 
 import logging
-import threading
-import weakref
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from tandem import i4w
+from tandem.graphs import MAX_STATIC_ROWS, Bank
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +177,7 @@ class LeanRunner:
     when set, runs before each layer (the drafter's cancellation check).
 
     `static_rows`: feeds of up to that many tokens run the static forward on the
-    runner's buffers (_Bank); `graphs`: they replay a CUDA graph of it (on a CUDA
+    runner's buffers (tandem.graphs.Bank); `graphs`: they replay a CUDA graph of it (on a CUDA
     device only). Without graphs the static forward runs as it is: tests check
     it and the buffers' hand-over on the CPU. The default is 1 with graphs
     (one-token steps), else 0 (the per-op path for every feed)."""
@@ -209,7 +208,7 @@ class LeanRunner:
         self.static_rows = (1 if graphs else 0) if static_rows is None else static_rows
         if not 0 <= self.static_rows <= MAX_STATIC_ROWS:
             raise ValueError(f"static_rows must lie in [0, {MAX_STATIC_ROWS}], got {self.static_rows}")
-        self.banks: dict[int, _Bank] = {}  # by capacity
+        self.banks: dict[int, Bank] = {}  # by capacity
         if graphs:
             log.info("feeds of up to %d tokens replay a CUDA graph", self.static_rows)
 
@@ -267,7 +266,7 @@ class LeanRunner:
         bank = self.banks.get(capacity)
         if bank is None:
             self._rotary_table(capacity)
-            bank = self.banks[capacity] = _Bank(self, kv)
+            bank = self.banks[capacity] = Bank(self, kv)
         bank.admit(kv)
         if self.before_layer is not None:
             self.before_layer()  # the only check: the layers run in one replay
@@ -283,7 +282,7 @@ class LeanRunner:
         ([layers, kv_heads, capacity, head_dim]), cos and sin the rotary table
         over the capacity. Writes the tokens' keys and values at their positions,
         and each token attends to every position up to its own. Returns their
-        [T, hidden] states before the final norm. _Step captures it; it runs as
+        [T, hidden] states before the final norm. tandem.graphs.Step captures it; it runs as
         it is anywhere (tests run it on the CPU)."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         count, capacity = tokens.shape[0], keys.shape[2]
@@ -325,100 +324,6 @@ class LeanRunner:
         """As ModelRunner.last_hidden: the [hidden] state of the last token."""
         assert tokens
         return self.norm(self._hidden(kv, tokens)[-1:])[0]
-
-
-MAX_STATIC_ROWS = 16
-
-
-class _Bank:
-    """The runner's keys and values of one capacity, which its static steps read
-    and write, and those steps (_Step), one per feed length. The cache that runs
-    on them (the resident) holds these very tensors as its own; a cache that
-    comes to run here has its keys and values copied in and takes them over, and
-    the resident before it gets copies of its own. So the steps' tensors never
-    change, and a graph of them is captured once, whatever the session."""
-
-    def __init__(self, runner: LeanRunner, kv: StaticKV):
-        self.runner = runner
-        self.keys, self.values = torch.zeros_like(kv.keys), torch.zeros_like(kv.values)
-        capacity = kv.keys.shape[2]
-        self.cos, self.sin = runner.cos[:capacity], runner.sin[:capacity]
-        self.resident: weakref.ref | None = None
-        self.steps: dict[int, _Step] = {}
-
-    def admit(self, kv: StaticKV) -> None:
-        if kv.keys is self.keys:
-            return
-        assert kv.keys.shape == self.keys.shape, (kv.keys.shape, self.keys.shape)
-        resident = self.resident() if self.resident is not None else None
-        if resident is not None and resident.keys is self.keys:
-            resident.keys, resident.values = self.keys.clone(), self.values.clone()
-        self.keys.copy_(kv.keys)
-        self.values.copy_(kv.values)
-        kv.keys, kv.values = self.keys, self.values
-        self.resident = weakref.ref(kv)
-
-    def step(self, rows: int) -> "_Step":
-        step = self.steps.get(rows)
-        if step is None:
-            step = self.steps[rows] = _Step(self, rows)
-        return step
-
-
-# torch.cuda.graph synchronizes the device as it begins a capture, which fails
-# while another thread of the process is capturing, and spoils that capture
-# (seen on an H200 in the tests' cluster, whose two services share a process).
-# So a process captures one graph at a time.
-_CAPTURE_LOCK = threading.Lock()
-
-
-class _Step:
-    """LeanRunner.static_block of `rows` tokens on a bank's buffers. With the
-    runner's graphs on, it is captured as a CUDA graph on its first call: two
-    warm-up runs on a side stream (they write the same keys and values at the
-    same positions as the replay after them), then the capture, then a replay
-    per call. Each graph keeps its own memory pool for the step's intermediates
-    (a few tokens' activations), which the session cache budget does not count."""
-
-    WARMUPS = 2
-
-    def __init__(self, bank: _Bank, rows: int):
-        self.bank, self.runner = bank, bank.runner
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
-        self.position = torch.zeros(1, dtype=torch.long, device=self.runner.device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.output: torch.Tensor | None = None
-
-    def _capture(self) -> None:
-        device = self.runner.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(self.WARMUPS):
-                self._run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.output = self._run()
-        self.graph = graph
-
-    def _run(self) -> torch.Tensor:
-        bank = self.bank
-        return self.runner.static_block(bank.keys, bank.values, self.tokens, self.position, bank.cos, bank.sin)
-
-    def __call__(self, tokens: list[int], position: int) -> torch.Tensor:
-        if len(tokens) == 1:
-            self.tokens.fill_(tokens[0])
-        else:
-            self.tokens.copy_(torch.tensor(tokens, dtype=torch.long))
-        self.position.fill_(position)
-        if not self.runner.graphs:
-            return self._run()
-        if self.graph is None:
-            with _CAPTURE_LOCK:
-                self._capture()
-        self.graph.replay()
-        return self.output
 
 
 FUSED_ROWS = 16  # longer feeds (a prompt) take the per-op path, whose int4 layers then run their int8 copies

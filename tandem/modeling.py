@@ -5,18 +5,16 @@ transformers' model classes.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from tandem import cpu_kernels
+from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -179,32 +177,6 @@ def load_identity(config: ModelConfig) -> LoadedModel:
         max_context=int(getattr(model_config, "max_position_embeddings", 0) or 1 << 20),
         eos_token_ids=tuple(int(e) for e in eos),
     )
-
-
-def load_tokenizer(path: str):
-    """The model's tokenizer, or None for a model saved without one."""
-    local = Path(path)
-    if local.is_dir() and not any(local.glob("tokenizer*")) and not any(local.glob("vocab*")):
-        log.info("no tokenizer files in %s: token ids only", path)
-        return None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as err:
-        log.info("no tokenizer at %s (%s): token ids only", path, err.__class__.__name__)
-        return None
-    return tokenizer if len(tokenizer) > 1 else None
-
-
-def tokenizer_fingerprint(tokenizer, vocab_size: int) -> str:
-    """Equal for two models whose token ids mean the same text."""
-    if tokenizer is None:
-        identity = {"vocab_size": vocab_size}
-    else:
-        identity = {
-            "vocab": sorted(tokenizer.get_vocab().items()),
-            "special": sorted(map(str, tokenizer.all_special_tokens)),
-        }
-    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
 
 
 def eos_token_ids(model) -> tuple[int, ...]:

@@ -7,12 +7,13 @@ import time
 import torch
 
 from tandem import cpu_kernels, multiplex, serving, telemetry
+from tandem.distributions import decode_distribution
+from tandem.lean import MAX_STATIC_ROWS, LeanRunner, unsupported
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
-from tandem.lean import LeanRunner, MAX_STATIC_ROWS, unsupported
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
-from tandem.wire import decode_distribution, sampling_from_proto
+from tandem.wire import sampling_from_proto
 from target_service.relay import Relay, next_request
 from target_service.verifier import Verifier, VerifyCall
 

@@ -10,8 +10,9 @@ import torch
 
 from tandem import rng
 from tandem.acceptance import Verdict, verify_greedy, verify_greedy_tree, verify_sampled
+from tandem.distributions import logits_to_probs
 from tandem.modeling import ModelRunner
-from tandem.sampling import SamplingParams, logits_to_probs
+from tandem.sampling import SamplingParams
 from tandem.session_cache import SessionCacheStore
 
 log = logging.getLogger(__name__)

@@ -40,6 +40,30 @@ def build_tiny_model(path, seed: int, vocab: int = TINY_VOCAB, max_context: int 
     return str(path)
 
 
+def save_char_tokenizer(path) -> None:
+    """One token per ASCII character (ids 0-127, the tiny models' vocabulary),
+    with a chat template: enough for the benchmark's prompts."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({chr(i): i for i in range(TINY_VOCAB)}, unk_token="?"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="?", pad_token=chr(0))
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def char_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    dirs = {"target": build_tiny_model(root / "target", seed=0), "draft": build_tiny_model(root / "draft", seed=1)}
+    for path in dirs.values():
+        save_char_tokenizer(path)
+    return dirs
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")

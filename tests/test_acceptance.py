@@ -6,7 +6,8 @@ from scipy.stats import chisquare
 
 from tandem import rng
 from tandem.acceptance import Verdict, verify_greedy, verify_greedy_tree, verify_sampled
-from tandem.sampling import SamplingParams, logits_to_probs, sample
+from tandem.distributions import logits_to_probs, sample
+from tandem.sampling import SamplingParams
 
 
 def test_greedy_accepts_matching_prefix_then_corrects():

@@ -2,34 +2,6 @@
 service processes, and every mode's greedy tokens equal the target alone's."""
 import json
 
-import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-from tests.conftest import TINY_VOCAB, build_tiny_model
-
-
-def save_char_tokenizer(path) -> None:
-    """One token per ASCII character (ids 0-127, the tiny models' vocabulary),
-    with a chat template: enough for the benchmark's prompts."""
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({chr(i): i for i in range(TINY_VOCAB)}, unk_token="?"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="?", pad_token=chr(0))
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant: {% endif %}")
-    fast.save_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def char_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench-models")
-    dirs = {"target": build_tiny_model(root / "target", seed=0), "draft": build_tiny_model(root / "draft", seed=1)}
-    for path in dirs.values():
-        save_char_tokenizer(path)
-    return dirs
-
 
 def run_bench(main, char_models, out, *flags) -> dict:
     """A benchmark's main() on the tiny pair (draft unquantized), and the JSON it wrote to `out`."""

@@ -352,11 +352,11 @@ def test_a_lean_target_verifies_as_hugging_face_does(tiny_models):
 def test_each_feed_length_is_captured_once_and_under_the_process_wide_lock(tiny_models, monkeypatch):
     """torch.cuda.graph synchronizes the device as it begins, which spoils a
     capture under way in another thread (the tests' cluster runs both services
-    in one process): a capture holds lean's lock. The capture itself is faked
+    in one process): a capture holds tandem.graphs' lock. The capture itself is faked
     here (a CPU has no CUDA graphs); the rest is the runner's own path."""
     import types
 
-    from tandem import lean
+    from tandem import graphs
 
     loaded = load(ModelConfig(tiny_models["other"], dtype="float32"))
     runner = LeanRunner(loaded, "cpu", fused=False, static_rows=4)
@@ -364,18 +364,18 @@ def test_each_feed_length_is_captured_once_and_under_the_process_wide_lock(tiny_
     captured = []
 
     def capture(step):
-        captured.append((step.tokens.shape[0], lean._CAPTURE_LOCK.locked()))
+        captured.append((step.tokens.shape[0], graphs.CAPTURE_LOCK.locked()))
         step.output = step._run()
         step.graph = types.SimpleNamespace(replay=lambda: None)
 
-    monkeypatch.setattr(lean._Step, "_capture", capture)
+    monkeypatch.setattr(graphs.Step, "_capture", capture)
     with torch.inference_mode():
         for kv in (runner.new_cache(), runner.new_cache()):
             runner._hidden(kv, [1, 2, 3])
             runner._hidden(kv, [4])
             runner._hidden(kv, [5])
     assert captured == [(3, True), (1, True)]
-    assert not lean._CAPTURE_LOCK.locked()
+    assert not graphs.CAPTURE_LOCK.locked()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -1,0 +1,87 @@
+"""Probability distributions over the vocabulary: made from logits, drawn from,
+and sent on the wire (tandem.v1's Distribution).
+
+Draft and target apply exactly the same processing (temperature, then top-k,
+then top-p), so the acceptance rule compares the distributions that
+target-only sampling would draw from (DESIGN §2, invariant 4).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tandem.sampling import SamplingParams
+from tandem.v1 import common_pb2
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] logits → [n, vocab] float32 probabilities (sampling only)."""
+    assert logits.ndim == 2, logits.shape
+    assert not params.greedy, "greedy decoding uses argmax, not probabilities"
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the most
+        # likely token always stays.
+        drop_sorted = (cumulative - sorted_scores.softmax(dim=-1)) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from [vocab] probabilities with the uniform u in [0, 1).
+
+    The first index whose cumulative mass exceeds u·total: a token with zero
+    probability adds no width, so it is never drawn."""
+    assert probs.ndim == 1, probs.shape
+    cdf = probs.double().cumsum(0)
+    point = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
+    index = int(torch.searchsorted(cdf, point, right=True).item())
+    if index >= probs.shape[0]:  # rounding at the top end
+        index = int(torch.nonzero(probs)[-1].item())
+    return index
+
+
+def encode_distribution(dist: torch.Tensor) -> common_pb2.Distribution:
+    """[vocab] probabilities → Distribution, sparse when under a quarter is non-zero."""
+    assert dist.ndim == 1, dist.shape
+    dist = dist.detach().float().cpu()
+    nonzero = torch.nonzero(dist, as_tuple=True)[0]
+    if len(nonzero) * 4 < dist.shape[0]:
+        return common_pb2.Distribution(
+            ids=nonzero.tolist(), probs=dist[nonzero].tolist(), vocab_size=dist.shape[0]
+        )
+    return common_pb2.Distribution(
+        dense_f32=dist.numpy().astype("<f4").tobytes(), vocab_size=dist.shape[0]
+    )
+
+
+def decode_distribution(msg: common_pb2.Distribution) -> torch.Tensor:
+    """Distribution → [vocab_size] probabilities; raises ValueError (with words)
+    on a malformed one: a dense length other than vocab_size, ids outside
+    [0, vocab_size), ids and probs of different lengths, or probabilities that
+    are negative or not finite."""
+    if msg.vocab_size < 1:
+        raise ValueError(f"a distribution needs vocab_size >= 1, got {msg.vocab_size}")
+    if msg.dense_f32:
+        if len(msg.dense_f32) != 4 * msg.vocab_size:
+            raise ValueError(f"a dense distribution of vocab_size {msg.vocab_size} has {4 * msg.vocab_size} "
+                             f"bytes, got {len(msg.dense_f32)}")
+        dist = torch.from_numpy(np.frombuffer(msg.dense_f32, dtype="<f4").copy())
+    else:
+        if len(msg.ids) != len(msg.probs):
+            raise ValueError(f"a sparse distribution has {len(msg.ids)} ids and {len(msg.probs)} probs")
+        dist = torch.zeros(msg.vocab_size, dtype=torch.float32)
+        if msg.ids:
+            ids = torch.tensor(list(msg.ids), dtype=torch.long)
+            if int(ids.min()) < 0 or int(ids.max()) >= msg.vocab_size:
+                raise ValueError(f"a sparse distribution has ids outside [0, {msg.vocab_size})")
+            dist[ids] = torch.tensor(list(msg.probs), dtype=torch.float32)
+    if not bool(torch.isfinite(dist).all()) or bool((dist < 0).any()):
+        raise ValueError("a distribution has negative or non-finite probabilities")
+    return dist

@@ -1,0 +1,78 @@
+"""The orchestrator as its own process (`tandem serve orchestrator`), as a
+deployment runs it: it loads no torch, and it serves text as the in-process
+orchestrator of the tests' clusters does."""
+import json
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tandem.client import TandemClient
+from tests.conftest import REDIS_URL, Cluster
+
+
+def test_the_orchestrator_process_serves_text_without_torch(char_models):
+    cluster = Cluster(char_models["target"], char_models["draft"])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "serve", "orchestrator", "--port", "0", "--draft",
+         cluster.draft_address, "--target", cluster.target_address, "--redis-url", REDIS_URL, "--wait", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert select.select([process.stdout], [], [], 120)[0], "the orchestrator did not start in 120 s"
+        ready = process.stdout.readline()
+        assert ready.startswith("READY orchestrator"), process.stderr.read()
+        with open(f"/proc/{process.pid}/maps") as maps:
+            mapped = maps.read()
+        assert "libtorch" not in mapped, "the orchestrator's process loaded torch"
+        params = dict(max_tokens=24, temperature=0.0)
+        with TandemClient(ready.split()[-1], timeout_s=120) as client, cluster.client() as reference:
+            got = client.generate("Write a haiku about the sea.", **params)
+            expected = reference.generate("Write a haiku about the sea.", **params)
+            session = client.create_session(system_prompt="Answer briefly.")
+            chat = [client.chat(session, message, **params) for message in ("hello", "and again")]
+            session = reference.create_session(system_prompt="Answer briefly.")
+            chat_expected = [reference.chat(session, message, **params) for message in ("hello", "and again")]
+        assert got.token_ids == expected.token_ids and got.text == expected.text and len(got.token_ids) == 24
+        assert [r.token_ids for r in chat] == [r.token_ids for r in chat_expected]
+        assert [r.text for r in chat] == [r.text for r in chat_expected]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        cluster.stop()
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr and "PyTorch was not found" not in stderr
+
+
+def test_a_process_that_keeps_torch_out_builds_a_default_model_in_a_child(tmp_path, monkeypatch):
+    """The orchestrator's --tokenizer default-draft on a fresh machine: the build
+    (which dequantizes with torch) runs as `python -m tandem.default_models` in a
+    child process; a child that fails is reported with the command to rerun.
+    The child is faked here: a real build takes a minute."""
+    import subprocess as real_subprocess
+
+    from tandem import default_models
+
+    monkeypatch.setenv("TANDEM_MODEL_CACHE", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "torch", None)
+    commands = []
+
+    def child(command, stdout=None):
+        commands.append(command)
+        if len(commands) == 1:  # the first build fails
+            return real_subprocess.CompletedProcess(command, 1)
+        out = tmp_path / default_models.DEFAULT_DRAFT.name
+        out.mkdir()
+        spec = default_models.DEFAULT_DRAFT
+        (out / default_models.MARKER).write_text(json.dumps({"sha256": spec.sha256, "name": spec.name}))
+        return real_subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(default_models.subprocess, "run", child)
+    with pytest.raises(default_models.FetchError, match="run python -m tandem.default_models --which draft"):
+        default_models.resolve_model("default-draft", progress=False)
+    path = default_models.resolve_model("default-draft", progress=False)
+    assert path == str(tmp_path / default_models.DEFAULT_DRAFT.name)
+    assert commands == [[sys.executable, "-m", "tandem.default_models", "--which", "draft", "--quiet"]] * 2
+    assert default_models.resolve_model("default-draft") == path and len(commands) == 2  # built: no child
