@@ -29,6 +29,7 @@ class Bank:
         self.runner = runner
         self.keys, self.values = torch.zeros_like(kv.keys), torch.zeros_like(kv.values)
         capacity = kv.keys.shape[2]
+        runner._rotary_table(capacity)
         self.cos, self.sin = runner.cos[:capacity], runner.sin[:capacity]
         self.resident: weakref.ref | None = None
         self.steps: dict[int, Step] = {}

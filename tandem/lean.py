@@ -265,7 +265,6 @@ class LeanRunner:
         capacity = kv.keys.shape[2]
         bank = self.banks.get(capacity)
         if bank is None:
-            self._rotary_table(capacity)
             bank = self.banks[capacity] = Bank(self, kv)
         bank.admit(kv)
         if self.before_layer is not None:
