@@ -77,15 +77,18 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                         "auto = bf16w where it builds, else fp16 where it applies, else packed "
                         "where it applies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches)")
+                   help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches) "
+                        "(default: %(default)s)")
     p.add_argument("--inline-compute", default="auto", choices=["auto", "on", "off"],
                    help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill or a pre-draft) on the "
                         "server's event loop when the model thread is idle, saving two thread hops a call; "
                         "auto = on for a CPU model on one torch thread, and for the n-gram drafter (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
-    p.add_argument("--cache-mb", type=int, default=4096, help="KV cache budget for all sessions, MiB; 0 = unbounded")
-    p.add_argument("--session-ttl", type=float, default=3600, help="drop caches idle this many seconds")
+    p.add_argument("--cache-mb", type=int, default=4096,
+                   help="KV cache budget for all sessions, MiB; 0 = unbounded (default: %(default)s)")
+    p.add_argument("--session-ttl", type=float, default=3600,
+                   help="drop caches idle this many seconds; 0 = never (default: %(default)s)")
     _add_telemetry_flags(p)
 
 
@@ -149,10 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     draft = serve.add_parser("draft", help="the draft service")
     _add_model_flags(draft, "default-draft", 50053)
     draft.add_argument("--backend", default="model", choices=["model", "ngram", "ngram+model"],
-                       help="draft backend: a model, prompt lookup (n-gram), or n-gram first then the model")
+                       help="draft backend: a model, prompt lookup (n-gram), or n-gram first then the model "
+                            "(default: %(default)s)")
     draft.add_argument("--vocab-subset", type=int, default=0,
-                       help="score only the N most frequent tokens in the draft head (FR-Spec); 0 = full vocabulary")
-    draft.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by prompt lookup")
+                       help="score only the N most frequent tokens in the draft head (FR-Spec); 0 = full vocabulary "
+                            "(default: %(default)s; the demo, the benchmarks and the k8s CPU overlay use 32768)")
+    draft.add_argument("--ngram-max", type=int, default=4,
+                       help="longest n-gram matched by prompt lookup (default: %(default)s)")
     draft.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "auto"],
                        help="quantize the draft's linear layers (CPU only): int8 = dynamic int8, computes in "
                             "float32, and its per-forward activation scales make a seeded sampled run differ "
@@ -183,10 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
                       help="Redis for sessions (default: $REDIS_URL or %(default)s)")
     orch.add_argument("--tokenizer", default="", help="tokenizer path or hub id; default the target's; 'none' = ids only")
-    orch.add_argument("--k", type=int, default=4, help="draft tokens per round, and the adaptive start")
-    orch.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound")
-    orch.add_argument("--k-max", type=int, default=8, help="adaptive k upper bound")
-    orch.add_argument("--adaptive-k", choices=["on", "off"], default="on", help="choose k per session from measurements")
+    orch.add_argument("--k", type=int, default=4,
+                      help="draft tokens per round, and the adaptive start (default: %(default)s)")
+    orch.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound (default: %(default)s)")
+    orch.add_argument("--k-max", type=int, default=8, help="adaptive k upper bound (default: %(default)s)")
+    orch.add_argument("--adaptive-k", choices=["on", "off"], default="on",
+                      help="choose k per session from measurements (default: %(default)s)")
     orch.add_argument("--pipeline", choices=["on", "off", "auto"], default="on",
                       help="draft the next block during verification; auto: per request, whichever of on and off "
                            "the step costs measured so far expect to be faster here (a verify runs slower beside a "
@@ -222,11 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="while the draft service is unavailable, decode on the target alone (same output, "
                            "one token a round) and call the draft again after a backoff; off: such requests fail "
                            "with UNAVAILABLE (default: %(default)s)")
-    orch.add_argument("--max-tokens", type=int, default=128, help="default max_tokens of a request")
+    orch.add_argument("--max-tokens", type=int, default=128,
+                      help="default max_tokens of a request (default: %(default)s)")
     orch.add_argument("--max-concurrent-requests", type=int, default=128,
                       help="Generate and Chat requests served at once; more are refused with RESOURCE_EXHAUSTED "
                            "at once; 0 = no limit (default: %(default)s)")
-    orch.add_argument("--session-ttl", type=int, default=3600, help="idle session lifetime, seconds")
+    orch.add_argument("--session-ttl", type=int, default=3600,
+                      help="idle session lifetime, seconds (default: %(default)s)")
     orch.add_argument("--wait", type=float, default=600,
                       help="seconds to wait for the model services at start; with --draft-fallback on, at most "
                            "30 s for the draft once the target answers (default: %(default)s)")
