@@ -1,4 +1,4 @@
-"""The command line's help: every flag of `tandem serve` says its default."""
+"""The command line's help: every flag that has a default says what it is."""
 import argparse
 
 import pytest
@@ -11,13 +11,31 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return action.choices
 
 
-@pytest.mark.parametrize("role", ["target", "draft", "orchestrator"])
-def test_every_serve_flag_states_its_default(role):
-    parser = _subparsers(_subparsers(build_parser())["serve"])[role]
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command a user runs, by its words: "tandem", "tandem serve draft", ..."""
+    commands = {"tandem": build_parser()}
+    for name, sub in _subparsers(commands["tandem"]).items():
+        if name == "serve":
+            commands.update({f"tandem serve {role}": p for role, p in _subparsers(sub).items()})
+        else:
+            commands[f"tandem {name}"] = sub
+    return commands
+
+
+COMMANDS = _commands()
+
+
+def test_the_commands_are_all_here():
+    assert {"tandem serve target", "tandem serve draft", "tandem serve orchestrator", "tandem generate",
+            "tandem chat", "tandem models"} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_flag_states_its_default(command):
+    parser = COMMANDS[command]
     silent = [action.option_strings[0] for action in parser._actions
-              if action.option_strings and action.help not in (None, argparse.SUPPRESS)
-              and action.default not in (None, argparse.SUPPRESS)
-              and "default" not in action.help]
-    assert silent == [], f"tandem serve {role}: flags whose --help hides their default: {silent}"
-    help_text = parser.format_help()  # and the help renders (a stray % would raise here)
-    assert "(default: " in help_text
+              if action.option_strings and not isinstance(action, argparse._HelpAction)
+              and action.default not in (None, False, argparse.SUPPRESS)
+              and (not action.help or "default" not in action.help)]
+    assert silent == [], f"{command}: flags whose --help hides their default: {silent}"
+    assert "usage:" in parser.format_help()  # it renders: a stray % in a help text would raise here
