@@ -109,13 +109,16 @@ def _add_telemetry_flags(p) -> None:
 def _add_sampling_flags(p) -> None:
     p.add_argument("--address", default=os.environ.get("TANDEM_ADDRESS", DEFAULT_ORCHESTRATOR),
                    help="orchestrator address (default: $TANDEM_ADDRESS or %(default)s)")
-    p.add_argument("--tenant", default=None, help="tenant id sent as x-tandem-tenant (default: none sent; the server's tenant \"default\")")
+    p.add_argument("--tenant", default=None,
+                   help="tenant id sent as x-tandem-tenant (default: none sent; the server's tenant \"default\")")
     p.add_argument("--max-tokens", type=_int_in(1, INT32_MAX), default=None,
                    help="most tokens to generate (server default 128)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default: 1, off)")
-    p.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=None, help="keep the top-k tokens; 0 = off (default: 0)")
-    p.add_argument("--seed", type=_int_in(0, UINT64_MAX), default=None, help="seed for reproducible sampling (default: a random one, reported in the stats)")
+    p.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=None,
+                   help="keep the top-k tokens; 0 = off (default: 0)")
+    p.add_argument("--seed", type=_int_in(0, UINT64_MAX), default=None,
+                   help="seed for reproducible sampling (default: a random one, reported in the stats)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--k", type=_int_in(0, INT32_MAX), default=None,
                    help="draft tokens per round (default: the server's policy)")
