@@ -202,6 +202,19 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
         return ids
 
+    def _messages(self, messages) -> list[dict]:
+        """A conversation as the chat template takes it; ValueError with words
+        where the template cannot render it."""
+        self._need_tokenizer("a conversation")
+        if not self.template.available:
+            raise ValueError("the model has no chat template: send the prompt as text or token ids")
+        if not messages:
+            raise ValueError("the conversation has no messages")
+        for i, message in enumerate(messages):
+            if not message.role:
+                raise ValueError(f"message {i} has no role")
+        return [{"role": m.role, "content": m.content} for m in messages]
+
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
             raise ValueError(f"{what} needs a tokenizer, and the model has none: send token ids")
@@ -214,9 +227,14 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         tenant = self._tenant(context)
         try:
             params = self._params(request.params)
-            if request.WhichOneof("prompt") == "text":
+            messages = None
+            kind = request.WhichOneof("prompt")
+            if kind == "text":
                 self._need_tokenizer("a text prompt")
                 prompt = self.tokenizer.encode(request.text)
+            elif kind == "messages":
+                messages = self._messages(request.messages.messages)
+                prompt = self.template.first_turn(messages)
             else:
                 prompt = self._check_ids(list(request.token_ids.ids))
             if not prompt:
@@ -224,10 +242,12 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             self._check_room(0, len(prompt), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        record = await self.store.create(tenant)
+        record = await self.store.create(tenant, messages)
+        keeps_history = messages is not None and request.keep_session  # Chat may continue the conversation
         try:
             async with contextlib.aclosing(self._stream(context, generation, record, prompt, params,
-                                                        method="Generate")) as events:
+                                                        TurnOutcome() if keeps_history else None, method="Generate",
+                                                        added=[] if keeps_history else None)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -270,7 +290,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         outcome = TurnOutcome()
         async with contextlib.aclosing(self._stream(context, generation, record, turn, params, outcome,
-                                                    method="Chat", user=user)) as events:
+                                                    method="Chat", added=[user] if user else None)) as events:
             async for event in events:
                 yield event
 
@@ -322,11 +342,12 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         except SessionForbidden as err:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
 
-    async def _stream(self, context, generation, record, turn, params, outcome=None, method="Generate", user=None):
+    async def _stream(self, context, generation, record, turn, params, outcome=None, method="Generate", added=None):
         """Runs the generation under the session's lock, in the request's span: the
         root of its trace, or a child of the caller's when the call carries W3C
-        trace context. A finished chat turn adds `user` and the reply to the
-        history before the lock is released."""
+        trace context. A finished chat turn adds the messages `added` (the user's
+        turn; none when the record holds the conversation already) and the reply
+        to the history before the lock is released; added=None keeps no history."""
         with telemetry.request_span(f"{SERVICE_NAME}/{method}", context) as span:
             if span.is_recording():
                 span.set_attributes({"tandem.tenant": record.tenant, "tandem.max_tokens": params.max_tokens,
@@ -340,8 +361,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     async with contextlib.aclosing(generation.run(record, turn, params, outcome, span)) as events:
                         async for event in events:
                             yield event
-                    if user is not None:
-                        record.messages += [user, {"role": "assistant", "content": outcome.text}]
+                    if added is not None:
+                        record.messages += [*added, {"role": "assistant", "content": outcome.text}]
                         await self.store.save_meta(record)
             except SessionBusy as err:
                 await context.abort(grpc.StatusCode.ABORTED, str(err))

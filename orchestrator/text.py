@@ -60,9 +60,16 @@ class ChatTemplate:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        """The template's text; ValueError with the template's words where it
+        refuses the messages (roles out of order, say)."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as err:
+            raise ValueError(f"the model's chat template refused the messages: {err}") from err
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

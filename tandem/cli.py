@@ -187,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     orch = serve.add_parser("orchestrator", help="the public API server")
     orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")
+    orch.add_argument("--http-port", type=_int_in(0, 65535), default=None,
+                      help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                           "/v1/models, /health) on this port of --host; 0 picks one (default: off)")
+    orch.add_argument("--served-model-name", default="",
+                      help="the model id the HTTP API lists and requests name (default: the target model's id)")
     orch.add_argument("--draft", default=DEFAULT_DRAFT, help="draft service address (default: %(default)s)")
     orch.add_argument("--target", default=DEFAULT_TARGET, help="target service address (default: %(default)s)")
     orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
@@ -287,11 +292,16 @@ def _serve(args) -> None:
             logging.getLogger("tandem").debug("start-up failed", exc_info=True)
             raise StartupError(_words(err)) from err
         await server.start()
+        http = await _start_http(args, port) if args.role == "orchestrator" and args.http_port is not None else None
         serving.freeze_startup_objects()
         await serving.set_serving(health, [name], True)
         logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
         print(f"READY {args.role} {args.host}:{port}", flush=True)
         await serving.run_until_signalled(server, health, [name], draining=draining)
+        if http is not None:
+            runner, gateway = http
+            await runner.cleanup()
+            await gateway.close()
         if args.role == "target":
             await servicer.relay.close()
 
@@ -345,6 +355,21 @@ def _serve(args) -> None:
         asyncio.run(run())
     finally:
         observability.shutdown()  # flushes the spans not exported yet
+
+
+async def _start_http(args, grpc_port: int):
+    """The HTTP API in this process, dialling the orchestrator's own gRPC port."""
+    from orchestrator.http_gateway import Gateway, start
+
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    gateway = Gateway(f"{host}:{grpc_port}", args.served_model_name)
+    try:
+        runner, port = await start(gateway, args.host, args.http_port)
+    except OSError as err:
+        await gateway.close()
+        raise StartupError(f"the HTTP API on {args.host}:{args.http_port}: {err}") from err
+    print(f"HTTP {args.host}:{port}", flush=True)
+    return runner, gateway
 
 
 def _keep_torch_out() -> None:

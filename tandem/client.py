@@ -71,9 +71,15 @@ class TandemClient:
         return method(request, metadata=self.metadata, timeout=self.timeout_s)
 
     def generate_stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None,
-                        keep_session: bool = False, **params) -> Iterator[tandem_pb2.GenerateEvent]:
+                        keep_session: bool = False, messages: list[dict] | None = None,
+                        **params) -> Iterator[tandem_pb2.GenerateEvent]:
+        """Streams a completion of the prompt: text, token ids, or a conversation
+        (`messages`, dicts with role and content, rendered by the server's chat template)."""
         request = tandem_pb2.GenerateRequest(params=params_message(**params), keep_session=keep_session)
-        if prompt_ids is not None:
+        if messages is not None:
+            request.messages.messages.extend(tandem_pb2.ChatMessage(role=m["role"], content=m.get("content", ""))
+                                             for m in messages)
+        elif prompt_ids is not None:
             request.token_ids.ids.extend(prompt_ids)
         else:
             request.text = prompt or ""

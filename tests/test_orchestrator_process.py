@@ -1,11 +1,12 @@
 """The orchestrator as its own process (`tandem serve orchestrator`), as a
 deployment runs it: it loads no torch, and it serves text as the in-process
-orchestrator of the tests' clusters does."""
+orchestrator of the tests' clusters does, over gRPC and over its HTTP API."""
 import json
 import select
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -17,11 +18,14 @@ def test_the_orchestrator_process_serves_text_without_torch(char_models):
     cluster = Cluster(char_models["target"], char_models["draft"])
     process = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", "orchestrator", "--port", "0", "--draft",
-         cluster.draft_address, "--target", cluster.target_address, "--redis-url", REDIS_URL, "--wait", "60"],
+         cluster.draft_address, "--target", cluster.target_address, "--redis-url", REDIS_URL, "--wait", "60",
+         "--http-port", "0", "--served-model-name", "tiny"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         assert select.select([process.stdout], [], [], 120)[0], "the orchestrator did not start in 120 s"
+        http = process.stdout.readline()
+        assert http.startswith("HTTP "), process.stderr.read()
         ready = process.stdout.readline()
         assert ready.startswith("READY orchestrator"), process.stderr.read()
         with open(f"/proc/{process.pid}/maps") as maps:
@@ -35,6 +39,17 @@ def test_the_orchestrator_process_serves_text_without_torch(char_models):
             chat = [client.chat(session, message, **params) for message in ("hello", "and again")]
             session = reference.create_session(system_prompt="Answer briefly.")
             chat_expected = [reference.chat(session, message, **params) for message in ("hello", "and again")]
+        body = {"model": "tiny", "messages": [{"role": "system", "content": "Answer briefly."},
+                                              {"role": "user", "content": "hello"}],
+                "return_token_ids": True, **params}
+        request = urllib.request.Request(f"http://{http.split()[-1]}/v1/chat/completions",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            over_http = json.load(reply)["choices"][0]
+        assert over_http["token_ids"] == chat_expected[0].token_ids
+        assert over_http["message"]["content"] == chat_expected[0].text
+        with open(f"/proc/{process.pid}/maps") as maps:
+            assert "libtorch" not in maps.read(), "the orchestrator's process loaded torch"
         assert got.token_ids == expected.token_ids and got.text == expected.text and len(got.token_ids) == 24
         assert [r.token_ids for r in chat] == [r.token_ids for r in chat_expected]
         assert [r.text for r in chat] == [r.text for r in chat_expected]

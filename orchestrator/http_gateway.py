@@ -1,0 +1,173 @@
+"""The OpenAI-compatible HTTP API (aiohttp): POST /v1/completions and
+/v1/chat/completions (streamed as server-sent events with "stream": true), GET
+/v1/models and /health.
+
+A gateway: each request becomes one Generate call of the Tandem gRPC API on
+the orchestrator it fronts, so admission, tenancy, checks, traces and errors
+are the orchestrator's own, and gRPC's status codes become OpenAI's error
+bodies. `tandem serve orchestrator --http-port` runs it in the orchestrator's
+process, dialling its gRPC port on the loopback."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import grpc
+from aiohttp import web
+
+from orchestrator.openai_api import ApiError, Call, Chunks, chat_call, completion_call, response
+from tandem.serving import CHANNEL_OPTIONS
+from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+log = logging.getLogger(__name__)
+TENANT_HEADER = "x-tandem-tenant"
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on as gRPC metadata
+INFO_TIMEOUT_S = 10.0
+
+
+class Gateway:
+    """Serves the HTTP API for the orchestrator at `grpc_address`.
+    `served_model_name` is the model id that /v1/models lists and requests may
+    name; empty = the target model's id, as the orchestrator reports it."""
+
+    def __init__(self, grpc_address: str, served_model_name: str = ""):
+        self.channel = grpc.aio.insecure_channel(grpc_address, options=CHANNEL_OPTIONS)
+        self.stub = tandem_pb2_grpc.TandemStub(self.channel)
+        self._model = served_model_name
+        self.app = web.Application(middlewares=[self._errors])
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+        ])
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    # --- helpers -----------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return web.json_response(err.body(), status=err.status)
+        except grpc.aio.AioRpcError as err:
+            api = ApiError.from_rpc(err)
+            return web.json_response(api.body(), status=api.status)
+        except web.HTTPException as err:  # aiohttp's own: an unknown path, a wrong method
+            if err.status < 400:
+                raise
+            body = ApiError(err.status, err.reason, "invalid_request_error" if err.status < 500 else "internal_error")
+            return web.json_response(body.body(), status=err.status, headers={
+                k: v for k, v in err.headers.items() if k.lower() == "allow"})
+
+    async def model_name(self) -> str:
+        if not self._model:
+            info = await self.stub.GetServerInfo(tandem_pb2.GetServerInfoRequest(), timeout=INFO_TIMEOUT_S)
+            self._model = info.target_model
+        return self._model
+
+    @staticmethod
+    def _metadata(request: web.Request) -> tuple:
+        pairs = [(TENANT_HEADER, request.headers.get(TENANT_HEADER, ""))]
+        pairs += [(name, request.headers.get(name, "")) for name in TRACE_HEADERS]
+        return tuple((k, v) for k, v in pairs if v)
+
+    @staticmethod
+    async def _body(request: web.Request):
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the request body is not valid JSON: {err}") from err
+
+    # --- routes --------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, completion_call(await self._body(request)))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat_call(await self._body(request)))
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = await self.model_name()
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the orchestrator answers with its model pair, else 503."""
+        try:
+            info = await self.stub.GetServerInfo(tandem_pb2.GetServerInfoRequest(), timeout=INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            return web.json_response({"status": "unavailable", "reason": err.details() or err.code().name},
+                                     status=503)
+        return web.json_response({"status": "ok", "target_model": info.target_model,
+                                  "draft_model": info.draft_model})
+
+    async def _answer(self, request: web.Request, call: Call) -> web.StreamResponse:
+        model = await self.model_name()
+        if call.model is not None and call.model != model:
+            raise ApiError(404, f"the model {call.model!r} does not exist: this server serves {model!r}",
+                           "not_found_error", "model", "model_not_found")
+        rpc = self.stub.Generate(call.request, metadata=self._metadata(request))
+        try:
+            if call.stream:
+                return await self._stream(request, call, model, rpc)
+            text, ids = [], []
+            async for event in rpc:
+                if event.HasField("delta"):
+                    text.append(event.delta.text)
+                    ids.extend(event.delta.token_ids)
+                else:
+                    return web.json_response(response(call, model, "".join(text), ids, event.final))
+            raise ApiError(502, "the orchestrator ended the stream without a final event", "internal_error")
+        finally:
+            rpc.cancel()  # a no-op once it ended; stops the generation when the client went away
+
+    async def _stream(self, request: web.Request, call: Call, model: str, rpc) -> web.StreamResponse:
+        """Server-sent events. The first event is awaited before the response
+        starts, so that a refused request still gets its HTTP status; an error
+        after that comes as a chunk {"error": ...}, then [DONE]."""
+        events = rpc.__aiter__()
+        first = await anext(events, None)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        chunks = Chunks(call, model)
+        started = time.monotonic()
+        try:
+            event = first
+            while event is not None:
+                if event.HasField("delta"):
+                    await _send(out, chunks.delta(event.delta))
+                else:
+                    for chunk in chunks.final(event.final):
+                        await _send(out, chunk)
+                event = await anext(events, None)
+        except grpc.aio.AioRpcError as err:
+            await _send(out, ApiError.from_rpc(err).body())
+        except (ConnectionResetError, asyncio.CancelledError):
+            # The caller's finally cancels the generation; what it committed stays committed.
+            log.info("client went away after %.1f s; cancelling its generation", time.monotonic() - started)
+            raise
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+async def _send(out: web.StreamResponse, payload: dict) -> None:
+    await out.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def start(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serves `gateway` on host:port (0 picks one); returns the runner (its
+    cleanup() stops it) and the port."""
+    # handler_cancellation: a client that disconnects cancels its handler, and
+    # with it the generation (Gateway._answer), instead of decoding for nobody.
+    runner = web.AppRunner(gateway.app, access_log=None, shutdown_timeout=10.0, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, bound)
+    return runner, bound

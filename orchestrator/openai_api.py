@@ -1,0 +1,283 @@
+"""OpenAI's completions and chat completions, translated to and from the Tandem
+API: a request body becomes one GenerateRequest, and Generate's events become
+OpenAI's responses and stream chunks. Pure functions; the HTTP server is
+orchestrator/http_gateway.py."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from tandem.v1 import tandem_pb2
+
+UINT64_MAX = 2**64 - 1
+INT32_MAX = 2**31 - 1
+
+FINISH_REASONS = {  # Tandem's finish reason -> OpenAI's
+    tandem_pb2.FINISH_REASON_EOS: "stop",
+    tandem_pb2.FINISH_REASON_STOP: "stop",
+    tandem_pb2.FINISH_REASON_LENGTH: "length",
+    tandem_pb2.FINISH_REASON_CONTEXT: "length",  # the context window is full
+}
+
+# A gRPC status -> (HTTP status, OpenAI error type).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable_error"),  # a model pair that cannot serve
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+
+# OpenAI parameters that would change what is sampled, and which Tandem cannot
+# honour losslessly: refused unless they hold their no-op value.
+UNSUPPORTED = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+}
+
+
+class ApiError(Exception):
+    """An error as OpenAI reports it: an HTTP status, and a body
+    {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    @classmethod
+    def from_rpc(cls, err: grpc.aio.AioRpcError) -> "ApiError":
+        status, type_ = HTTP_STATUS.get(err.code(), (500, "internal_error"))
+        return cls(status, err.details() or err.code().name, type_, code=err.code().name.lower())
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request, translated: what to send, and how to answer."""
+
+    request: tandem_pb2.GenerateRequest
+    chat: bool  # /v1/chat/completions, else /v1/completions
+    stream: bool
+    include_usage: bool  # streamed: a last chunk with the usage (stream_options.include_usage)
+    return_token_ids: bool  # each choice (and chunk) also carries its token ids
+    model: str | None  # as the client named it; None = not named
+
+
+def _number(body: dict, name: str, low: float, high: float, *, integer: bool = False, low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return None
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)):
+        raise invalid(name, f"'{name}' must be {'an integer' if integer else 'a finite number'}, not {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise invalid(name, f"'{name}' must be in {bounds}, not {value!r}")
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(name, f"'{name}' must be true or false, not {value!r}")
+    return value
+
+
+def _params(body: dict, max_tokens_names: tuple[str, ...]) -> tandem_pb2.GenerationParams:
+    for name, no_ops in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value not in no_ops:
+            raise invalid(name, f"'{name}' is not supported: Tandem samples exactly the target model's "
+                                "distribution, after temperature, top_p and top_k only")
+    n = _number(body, "n", 1, INT32_MAX, integer=True)
+    if n not in (None, 1):
+        raise invalid("n", "'n' must be 1: each request makes one choice")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise invalid("response_format", "only the response format {\"type\": \"text\"} is supported")
+    params = tandem_pb2.GenerationParams()
+    for name in max_tokens_names:
+        if (value := _number(body, name, 1, INT32_MAX, integer=True)) is not None:
+            params.max_tokens = value
+    # OpenAI's defaults: temperature 1 and top_p 1. temperature 0 is greedy.
+    temperature = _number(body, "temperature", 0, 1e6)
+    params.temperature = 1.0 if temperature is None else temperature
+    if (top_p := _number(body, "top_p", 0, 1, low_open=True)) is not None:
+        params.top_p = top_p
+    if (top_k := _number(body, "top_k", -1, INT32_MAX, integer=True)) is not None:
+        params.top_k = max(top_k, 0)  # vLLM's -1 means off, as 0 does here
+    if (seed := _number(body, "seed", 0, UINT64_MAX, integer=True)) is not None:
+        params.seed = seed
+    if (k := _number(body, "num_draft_tokens", 0, INT32_MAX, integer=True)) is not None:
+        params.num_draft_tokens = k
+    if body.get("pipeline") is not None:
+        params.pipeline = _flag(body, "pipeline")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise invalid("stop", "'stop' must be a string or a list of strings")
+        params.stop.extend(s for s in stop if s)
+    return params
+
+
+def _common(body, chat: bool, request: tandem_pb2.GenerateRequest) -> Call:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", "'model' must be a string")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "'stream_options' must be an object")
+    if options and not stream:
+        raise invalid("stream_options", "'stream_options' needs 'stream': true")
+    return Call(request=request, chat=chat, stream=stream, include_usage=_flag(options, "include_usage"),
+                return_token_ids=_flag(body, "return_token_ids"), model=model or None)
+
+
+def completion_call(body) -> Call:
+    """POST /v1/completions. The prompt is text or a list of token ids (a batch
+    of one of either is taken too)."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens",)))
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise invalid("prompt", "one prompt a request: send a batch as separate requests")
+    else:
+        raise invalid("prompt", "'prompt' must be a string or a non-empty list of token ids")
+    return _common(body, False, request)
+
+
+def _content(i: int, content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"messages[{i}].content", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(f"messages[{i}].content", "a message's 'content' must be a string or a list of text parts")
+
+
+def chat_call(body) -> Call:
+    """POST /v1/chat/completions: the whole conversation, rendered by the
+    orchestrator with the model's chat template."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "'messages' must be a non-empty list")
+    request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens", "max_completion_tokens")))
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+            raise invalid(f"messages[{i}]", "each message must be an object with a 'role'")
+        request.messages.messages.add(role=message["role"], content=_content(i, message.get("content")))
+    return _common(body, True, request)
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(final: tandem_pb2.Completion) -> dict:
+    prompt, completion = final.usage.prompt_tokens, final.usage.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def speculation(final: tandem_pb2.Completion) -> dict:
+    """The request's speculation stats (rounds, accepted tokens, k, ...), as
+    the extension field "tandem" of a response."""
+    return MessageToDict(final.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def response(call: Call, model: str, text: str, ids: list[int], final: tandem_pb2.Completion) -> dict:
+    """The whole answer of a request that did not stream."""
+    choice = {"index": 0, "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"), "logprobs": None}
+    if call.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if call.return_token_ids:
+        choice["token_ids"] = ids
+    return {"id": new_id(call.chat), "object": "chat.completion" if call.chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice], "usage": usage(final),
+            "tandem": speculation(final)}
+
+
+class Chunks:
+    """The chunks of one streamed answer, in order: deltas as rounds commit
+    them, one with the finish reason (and the stats), then the usage if asked."""
+
+    def __init__(self, call: Call, model: str):
+        self.call, self.model = call, model
+        self.id, self.created = new_id(call.chat), int(time.time())
+        self._role_sent = False
+
+    def _chunk(self, choices: list[dict], **more) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.call.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **more}
+
+    def _choice(self, text: str | None, ids: list[int] | None, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.call.chat:
+            delta = {}
+            if not self._role_sent:
+                delta["role"], self._role_sent = "assistant", True
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        if self.call.return_token_ids and ids is not None:
+            choice["token_ids"] = ids
+        return choice
+
+    def delta(self, delta: tandem_pb2.TokenDelta) -> dict:
+        return self._chunk([self._choice(delta.text, list(delta.token_ids), None)])
+
+    def final(self, final: tandem_pb2.Completion) -> list[dict]:
+        reason = FINISH_REASONS.get(final.finish_reason, "stop")
+        chunks = [self._chunk([self._choice("" if self.call.chat else None, [], reason)], tandem=speculation(final))]
+        if self.call.include_usage:
+            chunks.append(self._chunk([], usage=usage(final)))
+        return chunks

@@ -1,0 +1,220 @@
+"""The OpenAI-compatible HTTP API, end to end: the official `openai` client over
+a real HTTP socket, the gateway, the orchestrator's gRPC API, the two model
+services and Redis. Greedy output equals Hugging Face's generate on the target
+alone; errors come back as OpenAI's error bodies with the right HTTP status."""
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import redis
+from transformers import AutoTokenizer
+
+from tests.conftest import REDIS_URL, Cluster, reference_greedy
+
+SYSTEM = "Answer briefly."
+
+
+@pytest.fixture(scope="module")
+def http(char_models):
+    """(cluster, base URL, tokenizer): a cluster of the character-level pair
+    and the HTTP gateway in front of its orchestrator."""
+    from orchestrator.http_gateway import Gateway, start
+
+    async def serve():  # on the cluster's loop, which the gateway's channel belongs to
+        gateway = Gateway(cluster.address, served_model_name="tandem-tiny")
+        return (gateway, *await start(gateway, "127.0.0.1", 0))
+
+    cluster = Cluster(char_models["target"], char_models["draft"])
+    gateway, runner, port = cluster.run(serve())
+    yield cluster, f"http://127.0.0.1:{port}", AutoTokenizer.from_pretrained(char_models["target"])
+    cluster.run(runner.cleanup())
+    cluster.run(gateway.close())
+    cluster.stop()
+
+
+def client(base: str, **headers) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120,
+                         default_headers=headers or None)
+
+
+def test_a_greedy_completion_equals_the_target_alone_streamed_or_not(http, char_models):
+    cluster, base, tokenizer = http
+    prompt = "def fib(n):\n    "
+    prompt_ids = tokenizer.encode(prompt)
+    expected = reference_greedy(char_models["target"], prompt_ids, 40)
+    answer = client(base).completions.create(model="tandem-tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                             extra_body={"return_token_ids": True})
+    choice = answer.choices[0]
+    assert choice.token_ids == expected
+    assert choice.text == tokenizer.decode(expected) and choice.finish_reason == "length"
+    assert answer.object == "text_completion" and answer.model == "tandem-tiny"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt_ids), 40)
+    assert answer.usage.total_tokens == len(prompt_ids) + 40
+    assert answer.tandem["rounds"] >= 1 and answer.tandem["drafted_tokens"] >= 1  # the speculation stats
+
+    chunks = list(client(base).completions.create(
+        model="tandem-tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40  # include_usage: last
+
+
+def test_token_id_prompts_and_the_models_list(http, char_models):
+    _, base, _ = http
+    ids = [100, 101, 102, 40, 41, 58]
+    answer = client(base).completions.create(model="tandem-tiny", prompt=ids, max_tokens=16, temperature=0,
+                                             extra_body={"return_token_ids": True})
+    assert answer.choices[0].token_ids == reference_greedy(char_models["target"], ids, 16)
+    assert [m.id for m in client(base).models.list()] == ["tandem-tiny"]
+    with urllib.request.urlopen(f"{base}/health", timeout=30) as reply:
+        health = json.load(reply)
+    assert health["status"] == "ok" and health["target_model"] == char_models["target"]
+
+
+def test_a_chat_completion_renders_the_conversation_with_the_chat_template(http, char_models):
+    """Stateless chat: the whole conversation each request. Its reply equals the
+    target alone on the templated conversation, and the gRPC API's first Chat
+    turn of a session with the same system prompt."""
+    cluster, base, tokenizer = http
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello there"}]
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    templated = tokenizer.encode(templated, add_special_tokens=False)
+    expected = reference_greedy(char_models["target"], templated, 30)
+    answer = client(base).chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=30,
+                                                  temperature=0, extra_body={"return_token_ids": True})
+    assert answer.choices[0].token_ids == expected
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == tokenizer.decode(expected)
+    assert answer.object == "chat.completion" and answer.usage.prompt_tokens == len(templated)
+    with cluster.client() as grpc_client:
+        session = grpc_client.create_session(system_prompt=SYSTEM)
+        assert grpc_client.chat(session, "hello there", max_tokens=30, temperature=0.0).token_ids == expected
+        assert grpc_client.delete_session(session)
+
+    chunks = list(client(base).chat.completions.create(
+        model="tandem-tiny", messages=[*messages[:1], {"role": "user", "content": [
+            {"type": "text", "text": "hello"}, {"type": "text", "text": " there"}]}],  # content as parts
+        max_completion_tokens=30, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(expected)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_seeded_sampled_request_equals_the_grpc_api_with_the_same_seed(http):
+    cluster, base, _ = http
+    params = dict(max_tokens=32, temperature=0.9, top_p=0.95, seed=1234)
+    answers = [client(base).completions.create(model="tandem-tiny", prompt="Once upon a time", extra_body={
+        "return_token_ids": True, "top_k": 50}, **params).choices[0].token_ids for _ in range(2)]
+    with cluster.client() as grpc_client:
+        expected = grpc_client.generate("Once upon a time", top_k=50, **params).token_ids
+    assert answers == [expected, expected]
+    # OpenAI's default temperature is 1: an unseeded request samples (two differ).
+    unseeded = {client(base).completions.create(model="tandem-tiny", prompt="Once upon a time", max_tokens=32).choices[0].text
+                for _ in range(3)}
+    assert len(unseeded) > 1
+
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    (dict(temperature=-1), "temperature", "temperature"),
+    (dict(n=2), "n", "'n' must be 1"),
+    (dict(frequency_penalty=0.5), "frequency_penalty", "not supported"),
+    (dict(extra_body={"logit_bias": {"5": 10}}), "logit_bias", "not supported"),
+    (dict(top_p=0), "top_p", "top_p"),
+    (dict(max_tokens=0), "max_tokens", "max_tokens"),
+    (dict(max_tokens=100_000), None, "context window"),  # the orchestrator's INVALID_ARGUMENT, passed on
+    (dict(stop=["x", 5]), "stop", "'stop'"),
+])
+def test_bad_input_is_a_400_with_words(http, kwargs, param, words):
+    _, base, _ = http
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(base).completions.create(model="tandem-tiny", prompt="hi", **kwargs)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and words in error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_other_errors_carry_openais_body_and_status(http):
+    _, base, _ = http
+    with pytest.raises(openai.NotFoundError) as caught:
+        client(base).completions.create(model="gpt-4", prompt="hi")
+    assert caught.value.body["code"] == "model_not_found" and "tandem-tiny" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="with a 'role'"):
+        client(base).chat.completions.create(model="tandem-tiny", messages=[{"role": "", "content": "x"}])
+    for path, data, status in [("/v1/completions", b"{not json", 400), ("/v1/completions", b"[1, 2]", 400),
+                               ("/v1/chat/completions", b'{"messages": []}', 400), ("/v1/embeddings", b"{}", 404)]:
+        request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == status, path
+        assert "message" in json.load(caught.value)["error"]
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_its_generation(http):
+    """The generation stops within a few rounds, not at max_tokens: the target
+    serves far fewer calls than the same request run to its end. Its session is
+    deleted from Redis and both services, and the next request is served."""
+    cluster, base, _ = http
+    body = {"model": "tandem-tiny", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+    before = cluster.target.calls
+    client(base).completions.create(**body)
+    whole = cluster.target.calls - before  # the target's calls for the whole request
+
+    tenant = f"http-cancel-{time.time_ns()}"
+    store = redis.Redis.from_url(REDIS_URL)
+    request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json", "x-tandem-tenant": tenant})
+    before = cluster.target.calls
+    reply = urllib.request.urlopen(request, timeout=60)
+    assert reply.readline().startswith(b"data: {")
+    assert store.keys(f"tandem:{tenant}:*"), "the tenant header did not reach the orchestrator"
+    reply.close()
+    deadline = time.monotonic() + 30
+    while (cluster.orchestrator.active_requests or store.keys(f"tandem:{tenant}:*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cluster.orchestrator.active_requests == 0 and not store.keys(f"tandem:{tenant}:*")
+    cancelled = cluster.target.calls - before
+    assert whole >= 40 and cancelled < whole / 4, (cancelled, whole)
+    while cluster.run(_cached_sessions(cluster)) != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the services' releases follow the store's delete
+    assert cluster.run(_cached_sessions(cluster)) == (0, 0)
+    answer = client(base).completions.create(model="tandem-tiny", prompt="hi", max_tokens=8, temperature=0)
+    assert answer.usage.completion_tokens == 8
+
+
+async def _cached_sessions(cluster) -> tuple[int, int]:
+    return len(cluster.target.store), len(cluster.draft.store)
+
+
+def test_an_orchestrator_at_its_request_limit_answers_429(char_models):
+    """Past --max-concurrent-requests the orchestrator sheds a request with
+    RESOURCE_EXHAUSTED, which the HTTP API reports as OpenAI's rate limit (429)."""
+    from orchestrator.http_gateway import Gateway, start
+
+    async def serve():
+        gateway = Gateway(cluster.address)
+        return (gateway, *await start(gateway, "127.0.0.1", 0))
+
+    cluster = Cluster(char_models["target"], char_models["draft"], max_concurrent_requests=1)
+    gateway, runner, port = cluster.run(serve())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        model = client(base).models.list().data[0].id  # the target's id: no --served-model-name
+        assert model == char_models["target"]
+        held = client(base).completions.create(model=model, prompt="Once", max_tokens=400, temperature=0,
+                                               stream=True)
+        next(iter(held))  # the first request is being served
+        with pytest.raises(openai.RateLimitError) as caught:
+            client(base).completions.create(model=model, prompt="hi", max_tokens=4)
+        assert caught.value.status_code == 429 and "--max-concurrent-requests" in caught.value.body["message"]
+        held.close()
+    finally:
+        cluster.run(runner.cleanup())
+        cluster.run(gateway.close())
+        cluster.stop()
