@@ -35,5 +35,19 @@ def test_manifest_args_parse_and_ports_match(where, container, deployment):
     if deployment is not None:
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["grpc"] == args.port and ports["metrics"] == args.metrics_port
+        assert ports.get("http") == getattr(args, "http_port", None)  # the orchestrator's HTTP API
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == args.port
+
+
+def test_each_service_exposes_its_deployments_named_ports():
+    """A Service per role, forwarding every named port of its Deployment's container
+    (the orchestrator's gRPC, HTTP and metrics ports)."""
+    for path in sorted((K8S / "base").glob("*.yaml")):
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+        for deployment in (d for d in docs if d["kind"] == "Deployment"):
+            container = deployment["spec"]["template"]["spec"]["containers"][0]
+            service = services[deployment["metadata"]["name"]]
+            forwarded = {p.get("name"): p["targetPort"] for p in service["spec"]["ports"]}
+            assert forwarded == {p.get("name"): p["containerPort"] for p in container["ports"]}, path.name
