@@ -42,6 +42,8 @@ class Decoder:
         breaker: DraftBreaker | None = None,
         prefill_overlap: bool = True,
         tree_width: int = 0,
+        end: int = 1 << 30,
+        end_ids: frozenset[int] = frozenset(),
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -53,6 +55,10 @@ class Decoder:
         self.policy = policy
         self.pipeline = pipeline
         self.max_context = max_context
+        # The request is done once `end` tokens are committed (its max_tokens, or
+        # the context window) or a round commits one of `end_ids` (EOS): blocks
+        # are cut to fit, and nothing is launched after the last round.
+        self.end, self.end_ids = end, end_ids
         self.request_span = request_span  # parent of the round spans while tracing
         self.breaker = breaker if breaker is not None else DraftBreaker(enabled=False)
         self.prefill_overlap = prefill_overlap
@@ -74,10 +80,14 @@ class Decoder:
         return view.length
 
     def _room(self, k: int, ahead: int = 0) -> int:
-        """k, less what would run past the context window in the verify of a
-        block drafted `ahead` tokens past the committed ones (a pre-draft: the
-        block it follows, and the bonus token)."""
-        return max(0, min(k, self.max_context - len(self.committed) - ahead - 1))
+        """k, less what would run past the context window or the request's end
+        in the verify of a block drafted `ahead` tokens past the committed ones
+        (a pre-draft: the block it follows, and the bonus token)."""
+        return max(0, min(k, min(self.max_context, self.end) - len(self.committed) - ahead - 1))
+
+    def _done(self, newly: list[int]) -> bool:
+        """Whether the round that committed `newly` was the request's last."""
+        return len(self.committed) >= self.end or not self.end_ids.isdisjoint(newly)
 
     async def _resynced(self, view: ServiceView, span, call):
         """call(base), sending the committed tokens after what the service is
@@ -95,10 +105,10 @@ class Decoder:
 
     async def _draft(self, k: int, round_span=telemetry.NO_SPAN) -> DraftBlock:
         k = self._room(k)
-        if k == 0:
-            return DraftBlock(tokens=[])  # a plain decoding step
         if not self.breaker.allows():
             return UNDRAFTED
+        if k == 0:
+            return DraftBlock(tokens=[])  # a plain decoding step
         with telemetry.child_span("tandem.draft", round_span, telemetry.SpanKind.CLIENT) as span:
             try:
                 block = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
@@ -297,6 +307,14 @@ class Decoder:
                 waited_ms = result.compute_ms
                 in_services_ms = _in_handler(result)
                 newly = self._commit(block, result)
+                if self._done(newly):  # no call past the end: a verify there would hold the target for nothing
+                    self._close_round(span, block, result)
+                    span = telemetry.NO_SPAN
+                    if pre_task is not None:
+                        await _cancel(pre_task)
+                    self._learn()
+                    yield newly
+                    return
                 next_block = dropped = None
                 if pre_task is not None and result.accepted < verified_k:
                     # The pre-draft assumed all of `block` accepted. The draft crops it

@@ -134,6 +134,8 @@ class Generation:
             params.sampling, self.policy_for(params, pipeline), pipeline,
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
             self.breaker, self.prefill_overlap(params), self.config.tree_width,
+            end=min(self.config.max_context, len(record.tokens) + params.max_tokens),
+            end_ids=frozenset(self.eos_ids),
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)

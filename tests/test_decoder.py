@@ -334,3 +334,43 @@ async def test_the_policy_learns_each_round_after_the_next_calls_are_out(tiny_mo
     assert all(observed <= committed for committed, observed in verifier.seen)
     if pipeline:  # draft = target: every block after the first two was pre-drafted, its verify out before the learning
         assert [committed - observed for committed, observed in verifier.seen[2:]] == [1] * (len(verifier.seen) - 2)
+
+
+class _CountingVerifier:
+    """The in-process verifier, recording the blocks it was asked to verify."""
+
+    def __init__(self, verifier):
+        self.verifier, self.blocks = verifier, []
+
+    async def verify(self, session_id, prefix, new_tokens, block, sampling):
+        self.blocks.append(list(block.tokens))
+        return await self.verifier.verify(session_id, prefix, new_tokens, block, sampling)
+
+    async def release(self, session_id):
+        await self.verifier.release(session_id)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+async def test_the_last_round_is_cut_to_the_end_and_nothing_is_verified_past_it(tiny_models, pipeline):
+    """A request's end (max_tokens, or an EOS token) stops the rounds: the last
+    block holds only the tokens still wanted, and no verify is launched after
+    the round that reached the end, where it would hold the target for nothing.
+    The tokens are the target alone's."""
+    proposer, verifier = _services(tiny_models["target"])  # draft = target: every block is accepted whole
+    prompt = [4, 8, 15, 16, 23, 42]
+    expected = reference_greedy(tiny_models["target"], prompt, 14)
+    for end_ids, wanted in [(frozenset(), 14), (frozenset({expected[8]}), expected.index(expected[8]) + 1)]:
+        counting = _CountingVerifier(verifier)
+        decoder = Decoder(proposer, counting, f"end-{pipeline}-{len(end_ids)}", Committed(prompt), ServiceView(0),
+                          ServiceView(0), SamplingParams(), KPolicy(KPolicyConfig(k=4, adaptive=False), pipeline),
+                          pipeline, end=len(prompt) + 14, end_ids=end_ids)
+        out, rounds = [], decoder.rounds()
+        async for newly in rounds:  # ends by itself at the end
+            out += newly
+            if len(out) > 40:  # it did not
+                break
+        await rounds.aclose()
+        assert out[:wanted] == expected[:wanted] and wanted <= len(out) <= wanted + 4  # no round after the end's
+        if not end_ids:  # the round after the prefill's: 4 + 1 tokens each; the last cut to fit 14
+            assert counting.blocks == [[], expected[1:5], expected[6:10], expected[11:13]] and len(out) == 14
+        assert decoder.stats.rounds == len(counting.blocks)  # each verify launched was a round that counted

@@ -45,5 +45,8 @@ def test_a_seed_fixes_the_tokens_under_an_adaptive_server(tiny_models):
     finally:
         cluster.stop()
     assert all(run.token_ids == fixed.token_ids for run in runs)
-    # k = 4 in every round but the first, which prefills the prompt and decodes one token on the target.
-    assert all(list(run.stats.rounds_per_k) == [1, 0, 0, 0, run.stats.rounds - 1] for run in runs)
+    # k = 4 in every round but the first, which prefills the prompt and decodes one token on the target,
+    # and the last, whose block may be cut to the tokens still wanted (max_tokens).
+    for run in runs:
+        per_k = [*run.stats.rounds_per_k, 0, 0, 0, 0, 0][:5]
+        assert per_k[0] == 1 and sum(per_k[1:4]) <= 1 and sum(per_k) == run.stats.rounds, per_k
