@@ -10,6 +10,7 @@ process, dialling its gRPC port on the loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -36,6 +37,7 @@ class Gateway:
         self.channel = grpc.aio.insecure_channel(grpc_address, options=CHANNEL_OPTIONS)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self._model = served_model_name
+        self._finishing: set[asyncio.Task] = set()  # calls read to their end after their final event
         self.app = web.Application(middlewares=[self._errors])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -111,43 +113,61 @@ class Gateway:
             raise ApiError(404, f"the model {call.model!r} does not exist: this server serves {model!r}",
                            "not_found_error", "model", "model_not_found")
         rpc = self.stub.Generate(call.request, metadata=self._metadata(request))
+        events = rpc.__aiter__()
+        finished = False
         try:
             if call.stream:
-                return await self._stream(request, call, model, rpc)
-            text, ids = [], []
-            async for event in rpc:
-                if event.HasField("delta"):
+                answer = await self._stream(request, call, model, events)
+            else:
+                text, ids = [], []
+                while (event := await anext(events, None)) is not None and event.HasField("delta"):
                     text.append(event.delta.text)
                     ids.extend(event.delta.token_ids)
-                else:
-                    return web.json_response(response(call, model, "".join(text), ids, event.final))
-            raise ApiError(502, "the orchestrator ended the stream without a final event", "internal_error")
+                if event is None:
+                    raise ApiError(502, "the orchestrator ended the stream without a final event", "internal_error")
+                answer = web.json_response(response(call, model, "".join(text), ids, event.final))
+            finished = True
+            return answer
         finally:
-            rpc.cancel()  # a no-op once it ended; stops the generation when the client went away
+            if finished:  # the orchestrator is deleting the session: the call ends by itself
+                self._let_finish(events)
+            else:  # the client went away, or the call failed: stop the generation
+                rpc.cancel()
 
-    async def _stream(self, request: web.Request, call: Call, model: str, rpc) -> web.StreamResponse:
+    def _let_finish(self, events) -> None:
+        """Reads a call to its end in the background (grpc.aio cancels a call
+        that is dropped before it ends)."""
+        async def drain():
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for _ in events:
+                    pass
+
+        task = asyncio.create_task(drain())
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _stream(self, request: web.Request, call: Call, model: str, events) -> web.StreamResponse:
         """Server-sent events. The first event is awaited before the response
         starts, so that a refused request still gets its HTTP status; an error
         after that comes as a chunk {"error": ...}, then [DONE]."""
-        events = rpc.__aiter__()
-        first = await anext(events, None)
+        event = await anext(events, None)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         chunks = Chunks(call, model)
         started = time.monotonic()
         try:
-            event = first
             while event is not None:
                 if event.HasField("delta"):
                     await _send(out, chunks.delta(event.delta))
                 else:
                     for chunk in chunks.final(event.final):
                         await _send(out, chunk)
+                    break
                 event = await anext(events, None)
         except grpc.aio.AioRpcError as err:
             await _send(out, ApiError.from_rpc(err).body())
         except (ConnectionResetError, asyncio.CancelledError):
-            # The caller's finally cancels the generation; what it committed stays committed.
+            # The caller cancels the generation; what it committed stays committed.
             log.info("client went away after %.1f s; cancelling its generation", time.monotonic() - started)
             raise
         await out.write(b"data: [DONE]\n\n")

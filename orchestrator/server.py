@@ -252,7 +252,9 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     yield event
         finally:
             if not request.keep_session:
-                await self._delete(tenant, record.session_id)
+                # Shielded: a client that cancels once it has the final event (the
+                # HTTP API's, say) does not leave the session behind.
+                await asyncio.shield(self._delete(tenant, record.session_id))
 
     @store_unavailable
     async def CreateSession(self, request, context):
