@@ -19,7 +19,7 @@ import grpc
 from aiohttp import web
 
 from orchestrator.openai_api import ApiError, Call, Chunks, chat_call, completion_call, response
-from tandem.serving import CHANNEL_OPTIONS
+from tandem.serving import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,9 @@ class Gateway:
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self._model = served_model_name
         self._finishing: set[asyncio.Task] = set()  # calls read to their end after their final event
-        self.app = web.Application(middlewares=[self._errors])
+        # A body as large as a gRPC message (aiohttp's default is 1 MiB: a long
+        # conversation, or a long prompt as token ids, would not fit).
+        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_MESSAGE_BYTES)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),

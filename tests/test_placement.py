@@ -92,7 +92,9 @@ def test_auto_turns_the_overlap_off_where_the_services_share_cores(tiny_models, 
     assert overlap is (configured is True)
     assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 12)
     stats = result.stats
-    assert stats.tried_per_position[0] == stats.rounds - (1 if overlap else 0)
+    # Every round that drafted tried position 0. The last round may draft nothing: it wants one token.
+    assert stats.tried_per_position[0] == stats.rounds - stats.rounds_per_k[0]
+    assert stats.rounds_per_k[0] - (1 if overlap else 0) <= 1
 
 
 def test_pipeline_auto_times_both_modes_then_takes_the_faster(tiny_models):
