@@ -218,3 +218,26 @@ def test_an_orchestrator_at_its_request_limit_answers_429(char_models):
         cluster.run(runner.cleanup())
         cluster.run(gateway.close())
         cluster.stop()
+
+
+def test_a_conversation_kept_as_a_session_is_continued_by_chat(http):
+    """gRPC Generate with messages and keep_session: the session holds the
+    conversation and the reply, so Chat continues it as if every turn had come
+    through Chat, and only the new turn is prefilled."""
+    cluster, _, _ = http
+    params = dict(max_tokens=12, temperature=0.0)
+    with cluster.client() as grpc_client:
+        first = grpc_client.generate(messages=[{"role": "system", "content": SYSTEM},
+                                               {"role": "user", "content": "hello"}], keep_session=True, **params)
+        second = grpc_client.chat(first.session_id, "and again", **params)
+        record = cluster.run(cluster.orchestrator.store.load("default", first.session_id))
+        assert record.messages == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"},
+                                   {"role": "assistant", "content": first.text},
+                                   {"role": "user", "content": "and again"},
+                                   {"role": "assistant", "content": second.text}]
+        reference = grpc_client.create_session(system_prompt=SYSTEM)
+        expected = [grpc_client.chat(reference, message, **params) for message in ("hello", "and again")]
+        for session in (first.session_id, reference):
+            assert grpc_client.delete_session(session)
+    assert [first.token_ids, second.token_ids] == [r.token_ids for r in expected]
+    assert second.stats.target_prefill_tokens == expected[1].stats.target_prefill_tokens  # the new turn only
