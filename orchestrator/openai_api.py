@@ -179,7 +179,7 @@ def completion_call(body) -> Call:
         request.text = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("prompt", "one prompt a request: send a batch as separate requests")
     else:
         raise invalid("prompt", "'prompt' must be a string or a non-empty list of token ids")

@@ -147,6 +147,18 @@ def test_other_errors_carry_openais_body_and_status(http):
     assert caught.value.body["code"] == "model_not_found" and "tandem-tiny" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="with a 'role'"):
         client(base).chat.completions.create(model="tandem-tiny", messages=[{"role": "", "content": "x"}])
+    for body, words in [({"prompt": ["a", "b"]}, "one prompt a request"), ({"prompt": [1, "a"]}, "list of token ids"),
+                        ({"prompt": []}, "list of token ids"), ({"prompt": "hi", "stream_options": {}}, None),
+                        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "'stream': true")]:
+        request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        if words is None:  # empty stream_options: nothing asked
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                assert json.load(reply)["choices"][0]["finish_reason"]
+            continue
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == 400 and words in json.load(caught.value)["error"]["message"], body
     for path, data, status in [("/v1/completions", b"{not json", 400), ("/v1/completions", b"[1, 2]", 400),
                                ("/v1/chat/completions", b'{"messages": []}', 400), ("/v1/embeddings", b"{}", 404)]:
         request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
