@@ -253,3 +253,18 @@ def test_a_conversation_kept_as_a_session_is_continued_by_chat(http):
             assert grpc_client.delete_session(session)
     assert [first.token_ids, second.token_ids] == [r.token_ids for r in expected]
     assert second.stats.target_prefill_tokens == expected[1].stats.target_prefill_tokens  # the new turn only
+
+
+def test_the_http_probe_sends_each_request_both_ways_and_gets_the_same_tokens(char_models, tmp_path):
+    """bench.http_probe on the tiny pair: real processes, every way timed, the
+    HTTP answers' tokens equal the gRPC API's."""
+    from bench.http_probe import WAYS, main
+
+    out = tmp_path / "http_probe.json"
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--prompts", "code-1,prose-1", "--new-tokens", "12", "--reps", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for way in WAYS:
+        row = result["modes"][way]
+        assert row["requests"] == 4 and row["identical"] == 4 and row["tok_s"] > 0
+        assert len(result["runs"][way]) == 4 and all(r["wall_s"] >= r["generation_s"] > 0 for r in result["runs"][way])
