@@ -39,21 +39,23 @@ HTTP_STATUS = {
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
 
-# OpenAI parameters that would change what is sampled, and which Tandem cannot
-# honour losslessly: refused unless they hold their no-op value.
+# OpenAI parameters that Tandem does not serve: refused unless they hold their
+# no-op value. The first four would change what is sampled, and Tandem samples
+# exactly the target's distribution after temperature, top_p and top_k.
+CHANGES_SAMPLING = "Tandem samples exactly the target model's distribution, after temperature, top_p and top_k only"
 UNSUPPORTED = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "echo": (False,),
-    "suffix": ("",),
-    "best_of": (1,),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none",),
-    "function_call": ("none",),
+    "presence_penalty": ((0, 0.0), CHANGES_SAMPLING),
+    "frequency_penalty": ((0, 0.0), CHANGES_SAMPLING),
+    "logit_bias": (({},), CHANGES_SAMPLING),
+    "best_of": ((1,), CHANGES_SAMPLING),
+    "logprobs": ((False, 0), "the services return no log probabilities"),
+    "top_logprobs": ((0,), "the services return no log probabilities"),
+    "echo": ((False,), "send the prompt back yourself"),
+    "suffix": (("",), "there is no insertion mode"),
+    "tools": (([],), "there is no tool calling"),
+    "functions": (([],), "there is no tool calling"),
+    "tool_choice": (("none",), "there is no tool calling"),
+    "function_call": (("none",), "there is no tool calling"),
 }
 
 
@@ -114,11 +116,10 @@ def _flag(body: dict, name: str) -> bool:
 
 
 def _params(body: dict, max_tokens_names: tuple[str, ...]) -> tandem_pb2.GenerationParams:
-    for name, no_ops in UNSUPPORTED.items():
+    for name, (no_ops, why) in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in no_ops:
-            raise invalid(name, f"'{name}' is not supported: Tandem samples exactly the target model's "
-                                "distribution, after temperature, top_p and top_k only")
+            raise invalid(name, f"'{name}' is not supported: {why}")
     n = _number(body, "n", 1, INT32_MAX, integer=True)
     if n not in (None, 1):
         raise invalid("n", "'n' must be 1: each request makes one choice")

@@ -126,6 +126,8 @@ def test_a_seeded_sampled_request_equals_the_grpc_api_with_the_same_seed(http):
     (dict(n=2), "n", "'n' must be 1"),
     (dict(frequency_penalty=0.5), "frequency_penalty", "not supported"),
     (dict(extra_body={"logit_bias": {"5": 10}}), "logit_bias", "not supported"),
+    (dict(echo=True), "echo", "not supported"),
+    (dict(logprobs=2), "logprobs", "no log probabilities"),
     (dict(top_p=0), "top_p", "top_p"),
     (dict(max_tokens=0), "max_tokens", "max_tokens"),
     (dict(max_tokens=100_000), None, "context window"),  # the orchestrator's INVALID_ARGUMENT, passed on
