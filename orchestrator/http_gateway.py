@@ -19,7 +19,8 @@ import grpc
 from aiohttp import web
 
 from orchestrator.openai_api import ApiError, Call, Chunks, chat_call, completion_call, response
-from tandem.serving import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
+from tandem import serving
+from tandem.serving import MAX_MESSAGE_BYTES
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class Gateway:
     name; empty = the target model's id, as the orchestrator reports it."""
 
     def __init__(self, grpc_address: str, served_model_name: str = ""):
-        self.channel = grpc.aio.insecure_channel(grpc_address, options=CHANNEL_OPTIONS)
+        self.channel = serving.insecure_channel(grpc_address)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self._model = served_model_name
         self._finishing: set[asyncio.Task] = set()  # calls read to their end after their final event

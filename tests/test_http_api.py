@@ -21,18 +21,29 @@ SYSTEM = "Answer briefly."
 def http(char_models):
     """(cluster, base URL, tokenizer): a cluster of the character-level pair
     and the HTTP gateway in front of its orchestrator."""
+    cluster = Cluster(char_models["target"], char_models["draft"])
+    base, stop = _gateway(cluster, "tandem-tiny")
+    yield cluster, base, AutoTokenizer.from_pretrained(char_models["target"])
+    stop()
+    cluster.stop()
+
+
+def _gateway(cluster: Cluster, served_model_name: str = ""):
+    """The HTTP gateway in front of the cluster's orchestrator, on the cluster's
+    loop (which its gRPC channel belongs to): (base URL, a function that stops it)."""
     from orchestrator.http_gateway import Gateway, start
 
-    async def serve():  # on the cluster's loop, which the gateway's channel belongs to
-        gateway = Gateway(cluster.address, served_model_name="tandem-tiny")
+    async def serve():
+        gateway = Gateway(cluster.address, served_model_name)
         return (gateway, *await start(gateway, "127.0.0.1", 0))
 
-    cluster = Cluster(char_models["target"], char_models["draft"])
     gateway, runner, port = cluster.run(serve())
-    yield cluster, f"http://127.0.0.1:{port}", AutoTokenizer.from_pretrained(char_models["target"])
-    cluster.run(runner.cleanup())
-    cluster.run(gateway.close())
-    cluster.stop()
+
+    def stop():
+        cluster.run(runner.cleanup())
+        cluster.run(gateway.close())
+
+    return f"http://127.0.0.1:{port}", stop
 
 
 def client(base: str, **headers) -> openai.OpenAI:
@@ -209,15 +220,8 @@ async def _cached_sessions(cluster) -> tuple[int, int]:
 def test_an_orchestrator_at_its_request_limit_answers_429(char_models):
     """Past --max-concurrent-requests the orchestrator sheds a request with
     RESOURCE_EXHAUSTED, which the HTTP API reports as OpenAI's rate limit (429)."""
-    from orchestrator.http_gateway import Gateway, start
-
-    async def serve():
-        gateway = Gateway(cluster.address)
-        return (gateway, *await start(gateway, "127.0.0.1", 0))
-
     cluster = Cluster(char_models["target"], char_models["draft"], max_concurrent_requests=1)
-    gateway, runner, port = cluster.run(serve())
-    base = f"http://127.0.0.1:{port}"
+    base, stop = _gateway(cluster)
     try:
         model = client(base).models.list().data[0].id  # the target's id: no --served-model-name
         assert model == char_models["target"]
@@ -229,8 +233,7 @@ def test_an_orchestrator_at_its_request_limit_answers_429(char_models):
         assert caught.value.status_code == 429 and "--max-concurrent-requests" in caught.value.body["message"]
         held.close()
     finally:
-        cluster.run(runner.cleanup())
-        cluster.run(gateway.close())
+        stop()
         cluster.stop()
 
 
