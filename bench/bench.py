@@ -71,7 +71,9 @@ def main(argv=None) -> int:
     redis_url = ensure_redis()
     services = (Service("target", ["--model", args.target, "--dtype", args.dtype], threads=args.threads),
                 Service("draft", ["--model", args.draft, "--dtype", args.dtype], threads=args.threads))
-    orchestrator = ["--redis-url", redis_url, "--pipeline", "off", "--adaptive-k", "off", "--k", str(args.k)]
+    # --prefix-cache 0: each request prefills its prompt, as the HF modes do.
+    orchestrator = ["--redis-url", redis_url, "--pipeline", "off", "--adaptive-k", "off", "--k", str(args.k),
+                    "--prefix-cache", "0"]
     with Deployment(*services, orchestrator) as deployment:
         tandem_generate(deployment.address, prompts, 16)  # warm-up, as the HF modes get
         tandem = tandem_generate(deployment.address, prompts, args.new_tokens)

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     http_port = free_port()
     deployment = Deployment(Service("target", ["--model", args.target], threads=args.threads),
                             Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads),
-                            ["--http-port", str(http_port)])
+                            ["--http-port", str(http_port), "--prefix-cache", "0"])  # each prefills its prompt
     with deployment:
         result = run(deployment.address, f"http://127.0.0.1:{http_port}", prompts, args.new_tokens, args.reps)
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, new_tokens=args.new_tokens,

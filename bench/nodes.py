@@ -102,7 +102,10 @@ def deployment(args, cpus_target, cpus_draft, pinned: bool, whole: tuple[bool, i
                      cpus=cpus_target if pinned and not gpu else None)
     draft = Service("draft", ["--model", args.draft, *model_args, *args.draft_args.split()],
                     threads=threads[1], cpus=cpus_draft if pinned and not gpu else None)
+    # --prefix-cache 0: each request prefills its prompt, as the target alone does (a
+    # warm-up's parked session would otherwise hand its prompt's caches on).
     orchestrator = ["--redis-url", ensure_redis(), "--adaptive-k", "on", "--k", "3", "--pipeline", "auto",
+                    "--prefix-cache", "0",
                     "--k-min", str(args.k_min), "--k-max", str(args.k_max), *args.orchestrator_args.split()]
     return Deployment(target, draft, orchestrator)
 

@@ -13,6 +13,24 @@ MAX_TREE_WIDTH = 16  # alternatives a verify carries at most
 
 
 @dataclass(frozen=True)
+class PrefixCacheConfig:
+    """Prefix reuse across stateless requests (orchestrator.prefix_cache)."""
+
+    sessions: int = 32  # finished stateless sessions kept parked at most (the oldest go first); 0 = off
+    ttl_s: int = 600  # how long a session stays parked, seconds
+
+    def __post_init__(self):
+        if self.sessions < 0:
+            raise ValueError(f"prefix cache sessions must be >= 0 (0: off), got {self.sessions}")
+        if self.ttl_s < 1:
+            raise ValueError(f"prefix cache TTL must be >= 1 s, got {self.ttl_s}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.sessions > 0
+
+
+@dataclass(frozen=True)
 class OrchestratorConfig:
     draft_address: str
     target_address: str
@@ -44,6 +62,9 @@ class OrchestratorConfig:
     # auto: the width the target suggests (ModelInfo.tree_width: 4 for bf16 on
     # packed layers with AMX, else 0).
     tree_width: int | None = None
+    # A finished Generate without keep_session parks its session, and a later
+    # one whose prompt shares its prefix takes it over and prefills only the rest.
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:

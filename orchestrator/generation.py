@@ -120,10 +120,11 @@ class Generation:
         return KPolicy(cfg, pipelined=pipeline, costs=self.costs[pipeline])
 
     async def run(self, record: SessionRecord, turn: list[int], params: RequestParams,
-                  outcome: TurnOutcome | None = None, span=telemetry.NO_SPAN) -> AsyncIterator:
+                  outcome: TurnOutcome | None = None, span=telemetry.NO_SPAN, cached: int = 0) -> AsyncIterator:
         """Streams GenerateEvents; the last one is the Completion. The caller holds
         the session lock and has validated the context length. `span` is the
-        request's (its rounds are its children while tracing)."""
+        request's (its rounds are its children while tracing). `cached`: the
+        prompt's tokens before `turn`, already the session's (prefix reuse)."""
         started = time.perf_counter()
         await self.store.append_tokens(record, turn)  # the turn is committed first
         pipeline = self.pipeline_for(params)
@@ -168,14 +169,15 @@ class Generation:
                     break
         finally:
             await rounds.aclose()
-            metrics.finish(decoder.stats, finish, len(completion))
+            metrics.finish(decoder.stats, finish, len(completion), cached + len(turn), cached)
             # Services may hold more than was committed; they crop on the next call.
             record.draft_len = min(decoder.draft_view.length, len(record.tokens))
             record.target_len = min(decoder.target_view.length, len(record.tokens))
             await self.store.save_meta(record)
             if span.is_recording():
                 span.set_attributes({
-                    "tandem.session_id": record.session_id, "tandem.prompt_tokens": len(turn),
+                    "tandem.session_id": record.session_id, "tandem.prompt_tokens": cached + len(turn),
+                    "tandem.cached_prompt_tokens": cached,
                     "tandem.completion_tokens": len(completion), "tandem.finish_reason": _reason(finish),
                     "tandem.rounds": decoder.stats.rounds, "tandem.drafted": decoder.stats.drafted,
                     "tandem.accepted": decoder.stats.accepted, "tandem.pipeline": pipeline})
@@ -183,7 +185,8 @@ class Generation:
         self.pipeline_choice.observe(stats.accepted, stats.rejected_rounds)
         yield tandem_pb2.GenerateEvent(final=tandem_pb2.Completion(
             finish_reason=finish,
-            usage=tandem_pb2.Usage(prompt_tokens=len(turn), completion_tokens=len(completion)),
+            usage=tandem_pb2.Usage(prompt_tokens=cached + len(turn), completion_tokens=len(completion),
+                                   cached_prompt_tokens=cached),
             session_id=record.session_id,
             stats=tandem_pb2.SpeculationStats(
                 rounds=stats.rounds,
@@ -275,13 +278,15 @@ class RequestMetrics:
                 histogram.record(max(value, 0) * scale)  # an overhead is < 0 when timings overlap
             self.done[name] = len(values)
 
-    def finish(self, stats: RoundStats, finish, completion_tokens: int) -> None:
+    def finish(self, stats: RoundStats, finish, completion_tokens: int, prompt_tokens: int, cached: int) -> None:
         if not self.i.enabled:
             return
         self.record_rounds(stats)
         i = self.i
         i.requests.add(1, {"finish_reason": _reason(finish)})
         i.completion_tokens.add(completion_tokens)
+        i.prompt_tokens.add(prompt_tokens)
+        i.cached_prompt_tokens.add(cached)
         i.drafts.add(stats.rounds)
         i.draft_tokens.add(stats.drafted)
         i.accepted_tokens.add(stats.accepted)

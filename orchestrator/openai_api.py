@@ -222,7 +222,8 @@ def new_id(chat: bool) -> str:
 
 def usage(final: tandem_pb2.Completion) -> dict:
     prompt, completion = final.usage.prompt_tokens, final.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": final.usage.cached_prompt_tokens}}
 
 
 def speculation(final: tandem_pb2.Completion) -> dict:

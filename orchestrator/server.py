@@ -12,6 +12,7 @@ from orchestrator.backends import GrpcProposer, GrpcVerifier, ServiceCacheMiss, 
 from orchestrator.config import MAX_TREE_WIDTH, OrchestratorConfig
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
 from orchestrator.guards import admitted, store_unavailable
+from orchestrator.prefix_cache import PrefixCache
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
@@ -38,6 +39,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s, config.service_transport,
                                      relay_to=(config.relay_address or config.draft_address) if config.relay else "")
         self.store = SessionStore(config.redis_url, config.session_ttl_s)
+        self.prefix_cache = (PrefixCache(self.store, config.prefix_cache, f"{config.draft_address} {config.target_address}",
+                                         self._release) if config.prefix_cache.enabled else None)
         self.tokenizer = None
         self.template = ChatTemplate(None)
         self.generation: Generation | None = None
@@ -242,19 +245,21 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             self._check_room(0, len(prompt), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        record = await self.store.create(tenant, messages)
+        record, cached = await self._session_for(tenant, prompt, messages)
         keeps_history = messages is not None and request.keep_session  # Chat may continue the conversation
+        finished = False
         try:
-            async with contextlib.aclosing(self._stream(context, generation, record, prompt, params,
+            async with contextlib.aclosing(self._stream(context, generation, record, prompt[cached:], params,
                                                         TurnOutcome() if keeps_history else None, method="Generate",
-                                                        added=[] if keeps_history else None)) as events:
+                                                        added=[] if keeps_history else None, cached=cached)) as events:
                 async for event in events:
+                    finished = event.HasField("final")
                     yield event
         finally:
             if not request.keep_session:
                 # Shielded: a client that cancels once it has the final event (the
                 # HTTP API's, say) does not leave the session behind.
-                await asyncio.shield(self._delete(tenant, record.session_id))
+                await asyncio.shield(self._end_stateless(record, finished))
 
     @store_unavailable
     async def CreateSession(self, request, context):
@@ -344,7 +349,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         except SessionForbidden as err:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
 
-    async def _stream(self, context, generation, record, turn, params, outcome=None, method="Generate", added=None):
+    async def _stream(self, context, generation, record, turn, params, outcome=None, method="Generate", added=None,
+                      cached=0):
         """Runs the generation under the session's lock, in the request's span: the
         root of its trace, or a child of the caller's when the call carries W3C
         trace context. A finished chat turn adds the messages `added` (the user's
@@ -360,7 +366,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     # Closed here, so that the generation's own cleanup (saving the
                     # session) runs before the lock is released, even when gRPC drops
                     # this generator on a client's cancel.
-                    async with contextlib.aclosing(generation.run(record, turn, params, outcome, span)) as events:
+                    async with contextlib.aclosing(generation.run(record, turn, params, outcome, span,
+                                                                  cached)) as events:
                         async for event in events:
                             yield event
                     if added is not None:
@@ -384,9 +391,38 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     "the tokens streamed so far are committed",
                 )
 
+    async def _session_for(self, tenant: str, prompt: list[int], messages: list[dict] | None):
+        """A Generate's session, and how many of the prompt's first tokens it
+        holds: a parked one that shares the prompt's prefix (--prefix-cache),
+        else a new one."""
+        if self.prefix_cache is not None:
+            taken = await self.prefix_cache.take(tenant, prompt)
+            if taken is not None:
+                record, cached = taken
+                if messages:
+                    record.messages = messages
+                    await self.store.save_meta(record)
+                log.debug("session %s: %d of %d prompt tokens reused", record.session_id, cached, len(prompt))
+                return record, cached
+        return await self.store.create(tenant, messages), 0
+
+    async def _end_stateless(self, record, finished: bool) -> None:
+        """After a Generate without keep_session: parks a session that finished
+        for a later prompt with the same prefix, and deletes any other."""
+        if finished and self.prefix_cache is not None:
+            try:
+                if await self.prefix_cache.park(record):
+                    return
+            except Exception:  # Redis failed mid-way: delete what is left, as without the cache
+                log.warning("could not park session %s; deleting it", record.session_id, exc_info=True)
+        await self._delete(record.tenant, record.session_id)
+
+    async def _release(self, session_id: str) -> None:
+        await asyncio.gather(self.proposer.release(session_id), self.verifier.release(session_id))
+
     async def _delete(self, tenant: str, session_id: str) -> bool:
         deleted = await self.store.delete(tenant, session_id)
-        await asyncio.gather(self.proposer.release(session_id), self.verifier.release(session_id))
+        await self._release(session_id)
         return deleted
 
     async def close(self) -> None:

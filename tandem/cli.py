@@ -245,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "at once; 0 = no limit (default: %(default)s)")
     orch.add_argument("--session-ttl", type=int, default=3600,
                       help="idle session lifetime, seconds (default: %(default)s)")
+    orch.add_argument("--prefix-cache", type=_int_in(0, 1_000_000), default=32, metavar="N",
+                      help="a Generate without keep_session (and every HTTP request) ends by parking its session, "
+                           "caches and all, instead of deleting it; a later one of the same tenant whose prompt "
+                           "starts with the same tokens (the next turn of a conversation resent whole, say) takes "
+                           "it over and prefills only the rest (usage: cached_prompt_tokens). Keeps at most N "
+                           "parked sessions, the oldest dropped first; 0 = off (default: %(default)s)")
+    orch.add_argument("--prefix-cache-ttl", type=_int_in(1, 10_000_000), default=600, metavar="SECONDS",
+                      help="how long a session stays parked for --prefix-cache (default: %(default)s)")
     orch.add_argument("--wait", type=float, default=600,
                       help="seconds to wait for the model services at start; with --draft-fallback on, at most "
                            "30 s for the draft once the target answers (default: %(default)s)")
@@ -308,7 +316,7 @@ def _serve(args) -> None:
     async def build():
         if args.role == "orchestrator":
             # The flags are checked before orchestrator.server brings in torch and transformers (seconds).
-            from orchestrator.config import OrchestratorConfig
+            from orchestrator.config import OrchestratorConfig, PrefixCacheConfig
             from orchestrator.policy import KPolicyConfig
 
             config = OrchestratorConfig(
@@ -320,6 +328,7 @@ def _serve(args) -> None:
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
                 relay=args.relay == "on", relay_address=args.relay_address, tree_width=args.tree_width,
+                prefix_cache=PrefixCacheConfig(sessions=args.prefix_cache, ttl_s=args.prefix_cache_ttl),
             )
             _keep_torch_out()
             from orchestrator.server import build_server

@@ -25,6 +25,7 @@ class Result:
     session_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those a parked session held (--prefix-cache)
     stats: tandem_pb2.SpeculationStats | None = None
 
     @property
@@ -40,7 +41,8 @@ class Result:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "session_id": self.session_id,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                      "cached_prompt_tokens": self.cached_prompt_tokens},
             "stats": MessageToDict(self.stats, preserving_proto_field_name=True) if self.stats else {},
             "acceptance_rate": self.acceptance_rate,
         }
@@ -125,5 +127,6 @@ def collect(events, on_delta=None) -> Result:
             result.session_id = final.session_id
             result.prompt_tokens = final.usage.prompt_tokens
             result.completion_tokens = final.usage.completion_tokens
+            result.cached_prompt_tokens = final.usage.cached_prompt_tokens
             result.stats = final.stats
     return result

@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     target = Service("target", ["--model", args.target, "--dtype", args.dtype], threads=1, cpus="0")
     draft = Service("draft", ["--model", args.draft, "--dtype", args.dtype, *args.draft_args.split()],
                     threads=1, cpus="1")
-    with Deployment(target, draft, ["--redis-url", redis_url, "--pipeline", args.pipeline]) as deployment:
+    # --prefix-cache 0: each request prefills its prompt, as the target alone does.
+    with Deployment(target, draft, ["--redis-url", redis_url, "--pipeline", args.pipeline,
+                                    "--prefix-cache", "0"]) as deployment:
         with TandemClient(deployment.address) as client:
             info = client.server_info()
             print(f"target {info.target_model} · draft {info.draft_model} ({info.draft_backend}) · "

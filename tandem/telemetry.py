@@ -89,6 +89,9 @@ class Instruments:
         self.rejected_requests = counter("tandem.requests.rejected", "{request}",
                                          "requests refused with RESOURCE_EXHAUSTED at --max-concurrent-requests")
         self.completion_tokens = counter("tandem.completion_tokens", "{token}", "tokens streamed to clients")
+        self.prompt_tokens = counter("tandem.prompt_tokens", "{token}", "tokens of prompts and new chat turns")
+        self.cached_prompt_tokens = counter("tandem.prompt_tokens.cached", "{token}", (
+            "prompt tokens whose caches a parked session held, so no service prefilled them (--prefix-cache)"))
         self.drafts = counter("tandem.drafts", "{draft}", "draft blocks verified (rounds)")
         self.draft_tokens = counter("tandem.draft_tokens", "{token}", "draft tokens verified")
         self.accepted_tokens = counter("tandem.accepted_tokens", "{token}", "draft tokens the target accepted")

@@ -88,6 +88,33 @@ def test_token_id_prompts_and_the_models_list(http, char_models):
     assert health["status"] == "ok" and health["target_model"] == char_models["target"]
 
 
+def test_the_next_turn_of_a_stateless_chat_reuses_the_caches_of_the_last(http, char_models):
+    """Each request resends the whole conversation; the second finds the first's
+    parked session (--prefix-cache), prefills only what follows its tokens, and
+    still equals the target alone on the templated conversation."""
+    cluster, base, tokenizer = http
+
+    def templated(messages):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "count to five, slowly"}]
+    openai_client = client(base)
+    first = openai_client.chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=20,
+                                                  temperature=0, extra_body={"return_token_ids": True})
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and back"}]
+    second = openai_client.chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=20,
+                                                   temperature=0, extra_body={"return_token_ids": True})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens == len(templated(messages))
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(templated(messages[:2]))
+    assert second.choices[0].token_ids == reference_greedy(char_models["target"], templated(messages), 20)
+    # The target ran what follows the reused tokens, and a token a round: not the reused prefix.
+    reused = second.usage.prompt_tokens_details.cached_tokens
+    assert second.tandem["target_prefill_tokens"] <= second.usage.prompt_tokens - reused + second.tandem["rounds"]
+
+
 def test_a_chat_completion_renders_the_conversation_with_the_chat_template(http, char_models):
     """Stateless chat: the whole conversation each request. Its reply equals the
     target alone on the templated conversation, and the gRPC API's first Chat
@@ -184,15 +211,17 @@ def test_other_errors_carry_openais_body_and_status(http):
 def test_a_client_that_goes_away_mid_stream_cancels_its_generation(http):
     """The generation stops within a few rounds, not at max_tokens: the target
     serves far fewer calls than the same request run to its end. Its session is
-    deleted from Redis and both services, and the next request is served."""
+    deleted from Redis and both services (not parked for --prefix-cache), and
+    the next request is served."""
     cluster, base, _ = http
     body = {"model": "tandem-tiny", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
     before = cluster.target.calls
     client(base).completions.create(**body)
     whole = cluster.target.calls - before  # the target's calls for the whole request
 
-    tenant = f"http-cancel-{time.time_ns()}"
+    tenant = f"http-cancel-{time.time_ns()}"  # its own: it can take no other request's parked session
     store = redis.Redis.from_url(REDIS_URL)
+    held = cluster.run(_cached_sessions(cluster))  # parked sessions of the tests before (--prefix-cache)
     request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json", "x-tandem-tenant": tenant})
     before = cluster.target.calls
@@ -206,9 +235,9 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_generation(http):
     assert cluster.orchestrator.active_requests == 0 and not store.keys(f"tandem:{tenant}:*")
     cancelled = cluster.target.calls - before
     assert whole >= 40 and cancelled < whole / 4, (cancelled, whole)
-    while cluster.run(_cached_sessions(cluster)) != (0, 0) and time.monotonic() < deadline:
+    while cluster.run(_cached_sessions(cluster)) != held and time.monotonic() < deadline:
         time.sleep(0.01)  # the services' releases follow the store's delete
-    assert cluster.run(_cached_sessions(cluster)) == (0, 0)
+    assert cluster.run(_cached_sessions(cluster)) == held  # deleted, not parked
     answer = client(base).completions.create(model="tandem-tiny", prompt="hi", max_tokens=8, temperature=0)
     assert answer.usage.completion_tokens == 8
 

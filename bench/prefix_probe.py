@@ -1,0 +1,158 @@
+"""What prefix reuse (--prefix-cache) saves a stateless multi-turn chat: two
+orchestrators in front of the same two model services, one with the prefix
+cache on (the default) and one with it off, each sent the same conversations
+through the OpenAI-compatible HTTP API, which resends the whole conversation
+every turn. Side by side in one run, alternating which goes first.
+
+For each turn it records the client's time to the first streamed token and to
+the last, the prompt's tokens and how many of them were reused, and the
+tokens each service prefilled. Greedy, so both sides must give the same
+replies.
+
+    python -m bench.prefix_probe                  # the default pair, 3 chats x 4 turns x 64 tokens
+    python -m bench.prefix_probe --turns 6 --new-tokens 96
+
+Writes bench/results/prefix_probe.json."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.common import RESULTS, cut, machine, parse_args, write
+from tandem.launch import Deployment, Service, free_port
+
+log = logging.getLogger("bench.prefix_probe")
+SIDES = ("cache_on", "cache_off")
+CHATS = {
+    "stack": ["Write a Python class for a stack with push, pop and peek.",
+              "Add a method that returns the size.", "Now make pop raise a clear error when empty.",
+              "Write two unit tests for it.", "Add type hints.", "Summarize the class in one sentence."],
+    "csv": ["How do I read a CSV file in Python?", "And write one back with a new column?",
+            "What if the file is large?", "Show it with pandas instead.", "How do I skip the header?",
+            "Which is faster?"],
+    "sql": ["Write a SQL query for the ten largest orders.", "Join it with the customers table.",
+            "Only orders from 2024.", "Group them by country.", "Add the average order size.",
+            "Explain the query briefly."],
+}
+
+
+def _turn(base: str, messages: list[dict], new_tokens: int) -> dict:
+    body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    request = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    start, first, ids, text, stats, usage = time.perf_counter(), None, [], "", {}, {}
+    with urllib.request.urlopen(request, timeout=900) as reply:
+        for line in reply:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice.get("token_ids") and first is None:
+                    first = time.perf_counter() - start
+                ids += choice.get("token_ids", [])
+                text += choice.get("delta", {}).get("content") or ""
+                stats = chunk.get("tandem", stats)
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "first_token_s": first, "ids": ids, "text": text,
+            "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "target_prefill_tokens": stats.get("target_prefill_tokens", 0),
+            "draft_prefill_tokens": stats.get("draft_prefill_tokens", 0),
+            "cache_misses": stats.get("cache_misses", 0)}
+
+
+def run(bases: dict[str, str], chats: dict[str, list[str]], turns: int, new_tokens: int) -> dict:
+    rows = {side: [] for side in SIDES}
+    for side in SIDES:  # warm-up: a turn each, on a conversation of its own
+        _turn(bases[side], [{"role": "user", "content": f"Say hello ({side})."}], 8)
+    for index, (name, users) in enumerate(chats.items()):
+        order = SIDES if index % 2 == 0 else SIDES[::-1]
+        for side in order:
+            messages = []
+            for turn, user in enumerate(users[:turns]):
+                messages.append({"role": "user", "content": user})
+                row = _turn(bases[side], messages, new_tokens)
+                messages.append({"role": "assistant", "content": row["text"]})
+                rows[side].append({"chat": name, "turn": turn, **row})
+                log.info("%s %s turn %d: first token %.2f s, %d of %d prompt tokens cached", side, name, turn,
+                         row["first_token_s"], row["cached_tokens"], row["prompt_tokens"])
+    summary = {}
+    for side, side_rows in rows.items():
+        later = [r for r in side_rows if r["turn"] > 0]
+        summary[side] = {
+            "first_token_s_p50_later_turns": statistics.median(r["first_token_s"] for r in later),
+            "first_token_s_p50_first_turn": statistics.median(r["first_token_s"] for r in side_rows if r["turn"] == 0),
+            "wall_s_total": sum(r["wall_s"] for r in side_rows),
+            "tok_s": sum(len(r["ids"]) for r in side_rows) / sum(r["wall_s"] for r in side_rows),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in side_rows),
+            "cached_tokens": sum(r["cached_tokens"] for r in side_rows),
+            "target_prefill_tokens": sum(r["target_prefill_tokens"] for r in side_rows),
+            "cache_misses": sum(r["cache_misses"] for r in side_rows),
+            "requests": len(side_rows),
+        }
+    on, off = summary["cache_on"], summary["cache_off"]
+    identical = sum(a["ids"] == b["ids"] for a, b in zip(rows["cache_on"], rows["cache_off"]))
+    return {
+        "modes": summary,
+        "identical": identical,
+        "first_token_later_turns_off_over_on": off["first_token_s_p50_later_turns"] / on["first_token_s_p50_later_turns"],
+        "wall_off_over_on": off["wall_s_total"] / on["wall_s_total"],
+        "runs": {side: [{k: v for k, v in r.items() if k not in ("ids", "text")} for r in side_rows]
+                 for side, side_rows in rows.items()},
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefix_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
+    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
+    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
+                        help="extra draft service flags (default: %(default)s)")
+    parser.add_argument("--chats", default=",".join(CHATS), help="conversations (default: %(default)s)")
+    parser.add_argument("--turns", type=int, default=4, help="user turns per conversation, at most 6 "
+                                                             "(default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per reply (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "prefix_probe.json", help="JSON output path")
+    args = parse_args(parser, argv)
+    chats = {name: CHATS[name] for name in args.chats.split(",")}
+    ports = {side: free_port() for side in SIDES}
+    target = Service("target", ["--model", args.target], threads=args.threads)
+    draft = Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads)
+    with Deployment(target, draft, ["--http-port", str(ports["cache_on"])]) as deployment:
+        off = Service("orchestrator", ["--target", target.address, "--draft", draft.address,
+                                       "--http-port", str(ports["cache_off"]), "--prefix-cache", "0"])
+        try:
+            off.start(deployment.log_dir)
+            off.wait_ready(120)
+            result = run({side: f"http://127.0.0.1:{port}" for side, port in ports.items()}, chats,
+                         args.turns, args.new_tokens)
+        finally:
+            off.stop()
+    result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, new_tokens=args.new_tokens,
+                  turns=args.turns, machine=machine())
+    write(args.out, result)
+    print(f"{'side':<10} {'TTFT p50, turn 1':>17} {'later turns':>12} {'tok/s':>7} {'cached/prompt':>15} "
+          f"{'target prefill':>15}")
+    for side, row in result["modes"].items():
+        print(f"{side:<10} {row['first_token_s_p50_first_turn']:15.2f} s {row['first_token_s_p50_later_turns']:10.2f} s "
+              f"{row['tok_s']:7.2f} {row['cached_tokens']:>7}/{row['prompt_tokens']:<7} {row['target_prefill_tokens']:>15}")
+    print(f"time to first token of later turns, off over on: {cut(result['first_token_later_turns_off_over_on']):.2f}x; "
+          f"whole run: {cut(result['wall_off_over_on']):.2f}x (cut); same replies: "
+          f"{result['identical']}/{result['modes']['cache_on']['requests']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

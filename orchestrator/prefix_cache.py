@@ -1,0 +1,193 @@
+"""Prefix reuse across stateless requests: a finished Generate parks its session
+instead of deleting it, and a later Generate of the same tenant whose prompt
+starts with the same tokens takes that session over.
+
+This is what gives the stateless APIs (Generate without keep_session, and the
+HTTP API's /v1/chat/completions, which resends the whole conversation each
+turn) what a gRPC session gives a chat: both services keep the KV cache of the
+earlier tokens, so a turn prefills only what is new. Taking a session over is
+only a change of the committed tokens in Redis: they are cut back to the
+common prefix, and by DESIGN §2.2 each service crops its cache to the prefix
+its next call names. A service that evicted the session meanwhile answers that
+call with a cache miss and is re-synced, so reuse can cost time, never change
+an output.
+
+Keys (all under a deployment's namespace: a hash of its two services'
+addresses, so that two deployments on one Redis never take each other's):
+  tandem:parked:{ns}                    sorted set: "{session_id} {tenant}" by park time, ms
+  tandem:{tenant}:prefix:{ns}:{digest}  "{session_id} {length}": a parked session whose
+                                        tokens start with the block chain `digest` names
+A parked session keeps its hash and token list, without its owner key, so no
+client call can read, continue or delete it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from array import array
+
+from orchestrator.config import PrefixCacheConfig
+from orchestrator.store import SessionRecord, SessionStore
+
+log = logging.getLogger(__name__)
+
+BLOCK = 16  # tokens a digest covers more than the one before it
+MAX_CANDIDATES = 3  # parked sessions a lookup tries before it prefills afresh
+
+# KEYS: the session's hash, its token list, its owner key, the parked set.
+# ARGV: the member, the time in ms, the park TTL.
+_PARK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[3])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+return 1
+"""
+# Takes a parked session over if it is still the one that was read (same park
+# time): cuts its tokens to the common prefix, the services' lengths with them,
+# and gives it back its owner. KEYS: the parked set, the hash, the token list,
+# the owner key. ARGV: the member, its park time, the tenant, the prefix
+# length, the session TTL.
+_CLAIM = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) ~= tonumber(ARGV[2]) then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local keep = tonumber(ARGV[4])
+redis.call('LTRIM', KEYS[3], 0, keep - 1)
+for _, field in ipairs({'draft_len', 'target_len'}) do
+  local held = tonumber(redis.call('HGET', KEYS[2], field) or '0')
+  if held > keep then redis.call('HSET', KEYS[2], field, keep) end
+end
+redis.call('HSET', KEYS[2], 'ttl', ARGV[5], 'messages', '[]')
+for i = 2, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+redis.call('SET', KEYS[4], ARGV[3], 'EX', ARGV[5])
+return 1
+"""
+
+
+def block_digests(tokens: list[int]) -> list[str]:
+    """digests[i] names tokens[:(i + 1) * BLOCK]: each block's digest covers
+    the one before it, so equal digests mean equal prefixes."""
+    digests, previous = [], b""
+    for end in range(BLOCK, len(tokens) + 1, BLOCK):
+        previous = hashlib.blake2b(previous + array("i", tokens[end - BLOCK:end]).tobytes(), digest_size=16).digest()
+        digests.append(previous.hex())
+    return digests
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def worth_taking(common: int, parked: int) -> bool:
+    """Taking a session over saves prefilling `common` tokens and drops the
+    cache of its other `parked - common`, which a later turn of its own
+    conversation would have used; so only when it keeps at least half."""
+    return 2 * common >= parked
+
+
+class PrefixCache:
+    """Parks finished stateless sessions and hands them to requests that share
+    their prefix. `release(session_id)` frees a session on both services."""
+
+    def __init__(self, store: SessionStore, config: PrefixCacheConfig, namespace: str, release):
+        self.store = store
+        self.config = config
+        self.redis = store.redis
+        self.namespace = hashlib.blake2b(namespace.encode(), digest_size=6).hexdigest()
+        self.parked_key = f"tandem:parked:{self.namespace}"
+        self.release = release
+        self._park = self.redis.register_script(_PARK)
+        self._claim = self.redis.register_script(_CLAIM)
+
+    def _index_key(self, tenant: str, digest: str) -> str:
+        return f"tandem:{tenant}:prefix:{self.namespace}:{digest}"
+
+    def _session_keys(self, tenant: str, session_id: str) -> list[str]:
+        key = SessionStore._key(tenant, session_id)
+        return [key, f"{key}:tokens", f"tandem:owner:{session_id}"]
+
+    async def take(self, tenant: str, prompt: list[int], ttl_s: int = 0) -> tuple[SessionRecord, int] | None:
+        """A parked session of `tenant` whose tokens share a prefix with
+        `prompt`, now the caller's, its committed tokens cut to that prefix
+        (the longest there is, short of the prompt's last token, which the
+        turn must feed to be decoded after); and the prefix's length. None
+        when no parked session is worth taking."""
+        digests = block_digests(prompt[:-1])
+        if not digests:
+            return None
+        found = await self.redis.mget([self._index_key(tenant, d) for d in digests])
+        tried: set[str] = set()
+        for blocks in range(len(found), 0, -1):
+            value = found[blocks - 1]
+            if value is None:
+                continue
+            session_id, length = value.decode().split()
+            if session_id in tried or not worth_taking(blocks * BLOCK, int(length)):
+                continue
+            tried.add(session_id)
+            taken = await self._take(tenant, session_id, prompt[:-1], ttl_s or self.store.default_ttl_s)
+            if taken is not None:
+                return taken
+            if len(tried) >= MAX_CANDIDATES:
+                break
+        return None
+
+    async def _take(self, tenant: str, session_id: str, prefix: list[int], ttl_s: int):
+        member = f"{session_id} {tenant}"
+        key = SessionStore._key(tenant, session_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zscore(self.parked_key, member)
+            pipe.lrange(f"{key}:tokens", 0, -1)
+            parked_at, tokens = await pipe.execute()
+        if parked_at is None:
+            return None  # taken, evicted or expired meanwhile
+        common = common_prefix([int(t) for t in tokens], prefix)
+        if not common or not worth_taking(common, len(tokens)):
+            return None
+        hash_key, tokens_key, owner_key = self._session_keys(tenant, session_id)
+        if not await self._claim(keys=[self.parked_key, hash_key, tokens_key, owner_key],
+                                 args=[member, int(parked_at), tenant, common, ttl_s]):
+            return None
+        return await self.store.load(tenant, session_id), common
+
+    async def park(self, record: SessionRecord) -> bool:
+        """Parks a finished session (its lock released): keeps it on both
+        services and indexes its tokens for `take`; then evicts what is over
+        the limits. False when the session is gone (it is not parked then)."""
+        now_ms = int(time.time() * 1e3)
+        member = f"{record.session_id} {record.tenant}"
+        ttl = self.config.ttl_s
+        if not await self._park(keys=[*self._session_keys(record.tenant, record.session_id), self.parked_key],
+                                args=[member, now_ms, ttl]):
+            return False
+        value = f"{record.session_id} {len(record.tokens)}"
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for digest in block_digests(record.tokens):
+                pipe.set(self._index_key(record.tenant, digest), value, ex=ttl)
+            await pipe.execute()
+        await self._evict(now_ms)
+        return True
+
+    async def _evict(self, now_ms: int) -> None:
+        """Drops parked sessions past the TTL, then the oldest past the count."""
+        expired = await self.redis.zrangebyscore(self.parked_key, "-inf", now_ms - self.config.ttl_s * 1000)
+        over = max(0, await self.redis.zcard(self.parked_key) - len(expired) - self.config.sessions)
+        oldest = await self.redis.zrange(self.parked_key, len(expired), len(expired) + over - 1) if over else []
+        for member in [*expired, *oldest]:
+            if await self.redis.zrem(self.parked_key, member):  # not taken meanwhile
+                session_id, tenant = member.decode().split(" ", 1)
+                await self.drop(tenant, session_id)
+
+    async def drop(self, tenant: str, session_id: str) -> None:
+        """Deletes a session that is no longer parked, in Redis and on both services."""
+        await self.redis.delete(*self._session_keys(tenant, session_id)[:2])
+        await self.release(session_id)

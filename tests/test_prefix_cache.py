@@ -1,0 +1,259 @@
+"""Prefix reuse across stateless requests (orchestrator.prefix_cache): a finished
+Generate parks its session, and a later prompt of the same tenant that starts
+with its tokens takes it over. The output stays the target alone's, the reused
+tokens are not prefilled again, and no tenant sees another's."""
+import asyncio
+import uuid
+
+import grpc
+import pytest
+
+from orchestrator.config import PrefixCacheConfig
+from orchestrator.prefix_cache import BLOCK, PrefixCache, block_digests, worth_taking
+from orchestrator.store import SessionNotFound, SessionStore
+from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from tests.conftest import REDIS_URL, Cluster, reference_greedy
+
+PROMPT = [(7 * i + 3) % 120 + 1 for i in range(40)]
+NEW = [9, 8, 7, 6, 5, 4, 3, 2, 1, 10]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models):
+    """Its own cluster, so that no other test's parked sessions are in the way."""
+    cluster = Cluster(tiny_models["target"], tiny_models["other"])
+    yield cluster
+    cluster.stop()
+
+
+def _holds(address, stub_class, session_id) -> bool:
+    """Whether a model service holds the session (releasing it to find out)."""
+    with grpc.insecure_channel(address) as channel:
+        return stub_class(channel).ReleaseSession(common_pb2.ReleaseSessionRequest(session_id=session_id)).released
+
+
+def _release_on_services(cluster, session_id) -> list[bool]:
+    return [_holds(cluster.draft_address, draft_pb2_grpc.DraftServiceStub, session_id),
+            _holds(cluster.target_address, target_pb2_grpc.TargetServiceStub, session_id)]
+
+
+# --- the logic, against a real Redis ------------------------------------------------
+def test_equal_digests_mean_equal_prefixes():
+    tokens = list(range(3 * BLOCK + 5))
+    digests = block_digests(tokens)
+    assert len(digests) == 3  # full blocks only
+    changed = tokens[:]
+    changed[BLOCK + 2] += 1000  # in the second block
+    other = block_digests(changed)
+    assert other[0] == digests[0] and other[1] != digests[1] and other[2] != digests[2]
+    assert block_digests(tokens[: 2 * BLOCK]) == digests[:2]
+
+
+def test_a_session_is_taken_only_when_it_keeps_at_least_half_its_tokens():
+    assert worth_taking(50, 100) and worth_taking(100, 100)
+    assert not worth_taking(49, 100)
+
+
+def _store_and_cache(sessions=4, ttl_s=600):
+    store = SessionStore(REDIS_URL)
+    released = []
+
+    async def release(session_id):
+        released.append(session_id)
+
+    return store, PrefixCache(store, PrefixCacheConfig(sessions, ttl_s), uuid.uuid4().hex, release), released
+
+
+async def _parked(store, cache, tenant, tokens):
+    record = await store.create(tenant)
+    await store.append_tokens(record, tokens)
+    assert await cache.park(record)
+    return record
+
+
+def test_take_cuts_the_parked_tokens_to_the_common_prefix_and_hides_parked_sessions():
+    async def run():
+        store, cache, _ = _store_and_cache()
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        parked = await _parked(store, cache, tenant, PROMPT + [1, 2, 3])
+        with pytest.raises(SessionNotFound):  # parked: no client call reaches it
+            await store.load(tenant, parked.session_id)
+        prompt = PROMPT + [1, 2, 99, 98]
+        record, cached = await cache.take(tenant, prompt)
+        assert record.session_id == parked.session_id and cached == len(PROMPT) + 2
+        assert record.tokens == prompt[:cached]
+        assert record.draft_len == record.target_len == 0  # nothing ran on the services here
+        assert await cache.take(tenant, prompt) is None  # taken: nobody else gets it
+        assert (await store.load(tenant, record.session_id)).tokens == prompt[:cached]  # the owner's again
+        await store.delete(tenant, record.session_id)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_the_whole_prompt_is_never_reused():
+    """The turn keeps the prompt's last token: it has to be fed to be decoded after."""
+    async def run():
+        store, cache, _ = _store_and_cache()
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        await _parked(store, cache, tenant, PROMPT)
+        record, cached = await cache.take(tenant, PROMPT)
+        assert cached == len(PROMPT) - 1 and record.tokens == PROMPT[:-1]
+        await store.delete(tenant, record.session_id)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_only_one_of_two_concurrent_requests_takes_a_parked_session():
+    async def run():
+        store, cache, _ = _store_and_cache()
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        await _parked(store, cache, tenant, PROMPT)
+        results = await asyncio.gather(*(cache.take(tenant, PROMPT + NEW) for _ in range(4)))
+        taken = [r for r in results if r is not None]
+        assert len(taken) == 1
+        await store.delete(tenant, taken[0][0].session_id)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_parked_sessions_over_the_limit_go_oldest_first_in_redis_and_on_the_services():
+    async def run():
+        store, cache, released = _store_and_cache(sessions=2)
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        first = await _parked(store, cache, tenant, PROMPT)
+        await asyncio.sleep(0.002)
+        second = await _parked(store, cache, tenant, [5] * 40)
+        await asyncio.sleep(0.002)
+        assert released == []
+        third = await _parked(store, cache, tenant, [6] * 40)
+        assert released == [first.session_id]
+        assert not await store.redis.exists(SessionStore._key(tenant, first.session_id))
+        assert await cache.take(tenant, PROMPT + NEW) is None
+        for record, tokens in ((second, [5] * 40), (third, [6] * 40)):
+            taken, cached = await cache.take(tenant, tokens + NEW)
+            assert taken.session_id == record.session_id and cached == 40
+            await store.delete(tenant, taken.session_id)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_parked_sessions_past_their_ttl_are_dropped():
+    async def run():
+        store, cache, released = _store_and_cache(ttl_s=1)
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        old = await _parked(store, cache, tenant, PROMPT)
+        await asyncio.sleep(1.1)
+        await _parked(store, cache, tenant, [5] * 40)  # parking sweeps the parked set
+        assert released == [old.session_id]
+        assert await cache.take(tenant, PROMPT + NEW) is None
+        await store.close()
+
+    asyncio.run(run())
+
+
+# --- end to end: real services over gRPC, real Redis -------------------------------
+def test_a_prompt_that_extends_a_finished_request_reuses_its_caches(cluster, tiny_models):
+    with cluster.client() as client:
+        first = client.generate(prompt_ids=PROMPT, max_tokens=12)
+        prompt = PROMPT + first.token_ids + NEW
+        second = client.generate(prompt_ids=prompt, max_tokens=12)
+        with pytest.raises(grpc.RpcError) as parked:  # the first request's session is no client's any more
+            client.delete_session(first.session_id)
+    assert parked.value.code() == grpc.StatusCode.NOT_FOUND
+    assert first.cached_prompt_tokens == 0
+    assert second.session_id == first.session_id
+    assert second.cached_prompt_tokens == len(PROMPT) + len(first.token_ids)
+    assert second.prompt_tokens == len(prompt)
+    assert second.token_ids == reference_greedy(tiny_models["target"], prompt, 12)
+    assert second.stats.cache_misses == 0
+    # The target ran the new tokens, the one committed token it had not run
+    # yet, and a token a round after the first: not the reused prefix.
+    assert second.stats.target_prefill_tokens <= len(NEW) + 1 + second.stats.rounds
+    assert first.stats.target_prefill_tokens >= len(PROMPT)
+
+
+def test_a_request_of_another_tenant_does_not_reuse_the_caches(cluster, tiny_models):
+    prompt_a = [(5 * i + 11) % 120 + 1 for i in range(48)]
+    with cluster.client(tenant="alice") as alice, cluster.client(tenant="bob") as bob:
+        first = alice.generate(prompt_ids=prompt_a, max_tokens=8)
+        prompt = prompt_a + first.token_ids + NEW
+        by_bob = bob.generate(prompt_ids=prompt, max_tokens=8)
+        by_alice = alice.generate(prompt_ids=prompt, max_tokens=8)
+    assert by_bob.cached_prompt_tokens == 0 and by_bob.session_id != first.session_id
+    assert by_alice.cached_prompt_tokens == len(prompt_a) + len(first.token_ids)
+    expected = reference_greedy(tiny_models["target"], prompt, 8)
+    assert by_bob.token_ids == expected and by_alice.token_ids == expected
+
+
+def test_a_short_shared_beginning_does_not_take_a_conversation_over(cluster, tiny_models):
+    """A prompt that shares only its first blocks with a parked session leaves
+    it for the conversation it belongs to."""
+    own = [(3 * i + 17) % 120 + 1 for i in range(40)]
+    stranger = own[:BLOCK] + [(11 * i + 2) % 120 + 1 for i in range(30)]
+    with cluster.client() as client:
+        first = client.generate(prompt_ids=own, max_tokens=20)
+        other = client.generate(prompt_ids=stranger, max_tokens=4)
+        follow_up = client.generate(prompt_ids=own + first.token_ids + NEW, max_tokens=8)
+    assert other.cached_prompt_tokens == 0
+    assert follow_up.cached_prompt_tokens == len(own) + len(first.token_ids)
+    assert follow_up.token_ids == reference_greedy(tiny_models["target"], own + first.token_ids + NEW, 8)
+
+
+def test_caches_lost_while_parked_are_resynced_and_the_output_is_unchanged(cluster, tiny_models):
+    prompt_a = [(13 * i + 1) % 120 + 1 for i in range(36)]
+    with cluster.client() as client:
+        first = client.generate(prompt_ids=prompt_a, max_tokens=10)
+        assert _release_on_services(cluster, first.session_id) == [True, True]  # parked on both
+        prompt = prompt_a + first.token_ids + NEW
+        second = client.generate(prompt_ids=prompt, max_tokens=10)
+    assert second.cached_prompt_tokens == len(prompt_a) + len(first.token_ids)
+    assert second.stats.cache_misses == 2  # one a service, each followed by a re-sync
+    assert second.token_ids == reference_greedy(tiny_models["target"], prompt, 10)
+
+
+def test_a_cancelled_or_kept_request_is_not_parked(cluster):
+    prompt_a = [(17 * i + 5) % 120 + 1 for i in range(40)]
+    with cluster.client() as client:
+        stream = client.generate_stream(prompt_ids=prompt_a, max_tokens=200, num_draft_tokens=2)
+        assert next(stream).HasField("delta")
+        stream.cancel()
+        kept = client.generate(prompt_ids=prompt_a, max_tokens=6, keep_session=True)
+        again = client.generate(prompt_ids=prompt_a + kept.token_ids + NEW, max_tokens=4)
+        assert client.delete_session(kept.session_id)  # still the client's
+    assert kept.cached_prompt_tokens == 0  # the cancelled request's session was deleted, not parked
+    assert again.cached_prompt_tokens == 0  # the kept session is not parked either
+
+
+def test_with_the_prefix_cache_off_a_finished_session_is_deleted(tiny_models):
+    off = Cluster(tiny_models["target"], tiny_models["other"], prefix_cache=PrefixCacheConfig(sessions=0))
+    try:
+        with off.client() as client:
+            first = client.generate(prompt_ids=PROMPT, max_tokens=6)
+            second = client.generate(prompt_ids=PROMPT + first.token_ids + NEW, max_tokens=6)
+        assert second.cached_prompt_tokens == 0
+        assert _release_on_services(off, first.session_id) == [False, False]
+    finally:
+        off.stop()
+
+
+def test_the_prefix_probe_reuses_caches_on_one_side_only_and_gets_the_same_replies(char_models, tmp_path):
+    """bench.prefix_probe on the tiny pair: real processes, two orchestrators in
+    front of the same services, the same conversations through the HTTP API."""
+    import json
+
+    from bench.prefix_probe import main
+
+    out = tmp_path / "prefix_probe.json"
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--chats", "stack,csv", "--turns", "3", "--new-tokens", "8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    on, off = result["modes"]["cache_on"], result["modes"]["cache_off"]
+    assert on["requests"] == off["requests"] == 6 and result["identical"] == 6
+    assert off["cached_tokens"] == 0 and on["cached_tokens"] > 0
+    assert on["prompt_tokens"] == off["prompt_tokens"]
+    assert on["target_prefill_tokens"] <= off["target_prefill_tokens"] - on["cached_tokens"] + on["requests"]
+    assert all(r["cached_tokens"] > 0 for r in result["runs"]["cache_on"] if r["turn"] > 0)
