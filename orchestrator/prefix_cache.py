@@ -18,19 +18,19 @@ addresses, so that two deployments on one Redis never take each other's):
   tandem:{tenant}:prefix:{ns}:{digest}  "{session_id} {length}": a parked session whose
                                         tokens start with the block chain `digest` names
 A parked session keeps its hash and token list, without its owner key, so no
-client call can read, continue or delete it.
+client call can read, continue or delete it. A request that takes it over gets
+it under a new id; the caches keep the name the services know them by
+(SessionRecord.cache_id).
 """
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
+import uuid
 from array import array
 
 from orchestrator.config import PrefixCacheConfig
 from orchestrator.store import SessionRecord, SessionStore
-
-log = logging.getLogger(__name__)
 
 BLOCK = 16  # tokens a digest covers more than the one before it
 MAX_CANDIDATES = 3  # parked sessions a lookup tries before it prefills afresh
@@ -46,24 +46,28 @@ redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
 return 1
 """
 # Takes a parked session over if it is still the one that was read (same park
-# time): cuts its tokens to the common prefix, the services' lengths with them,
-# and gives it back its owner. KEYS: the parked set, the hash, the token list,
-# the owner key. ARGV: the member, its park time, the tenant, the prefix
-# length, the session TTL.
+# time): moves it to a new session id (its caches keep their name, cache_id),
+# cuts its tokens to the common prefix and the services' lengths with them, and
+# gives it an owner. KEYS: the parked set, the parked hash and token list, the
+# new hash, token list and owner key. ARGV: the member, its park time, the
+# tenant, the prefix length, the session TTL, the parked session's id.
 _CLAIM = """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('RENAME', KEYS[2], KEYS[4])
+redis.call('RENAME', KEYS[3], KEYS[5])
+if not redis.call('HGET', KEYS[4], 'cache_id') then redis.call('HSET', KEYS[4], 'cache_id', ARGV[6]) end
 local keep = tonumber(ARGV[4])
-redis.call('LTRIM', KEYS[3], 0, keep - 1)
+redis.call('LTRIM', KEYS[5], 0, keep - 1)
 for _, field in ipairs({'draft_len', 'target_len'}) do
-  local held = tonumber(redis.call('HGET', KEYS[2], field) or '0')
-  if held > keep then redis.call('HSET', KEYS[2], field, keep) end
+  local held = tonumber(redis.call('HGET', KEYS[4], field) or '0')
+  if held > keep then redis.call('HSET', KEYS[4], field, keep) end
 end
-redis.call('HSET', KEYS[2], 'ttl', ARGV[5], 'messages', '[]')
-for i = 2, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
-redis.call('SET', KEYS[4], ARGV[3], 'EX', ARGV[5])
+redis.call('HSET', KEYS[4], 'ttl', ARGV[5], 'messages', '[]')
+for i = 4, 5 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+redis.call('SET', KEYS[6], ARGV[3], 'EX', ARGV[5])
 return 1
 """
 
@@ -117,7 +121,8 @@ class PrefixCache:
 
     async def take(self, tenant: str, prompt: list[int], ttl_s: int = 0) -> tuple[SessionRecord, int] | None:
         """A parked session of `tenant` whose tokens share a prefix with
-        `prompt`, now the caller's, its committed tokens cut to that prefix
+        `prompt`, now the caller's under a new session id (the id its last
+        request reported stays gone), its committed tokens cut to that prefix
         (the longest there is, short of the prompt's last token, which the
         turn must feed to be decoded after); and the prefix's length. None
         when no parked session is worth taking."""
@@ -153,11 +158,12 @@ class PrefixCache:
         common = common_prefix([int(t) for t in tokens], prefix)
         if not common or not worth_taking(common, len(tokens)):
             return None
-        hash_key, tokens_key, owner_key = self._session_keys(tenant, session_id)
-        if not await self._claim(keys=[self.parked_key, hash_key, tokens_key, owner_key],
-                                 args=[member, int(parked_at), tenant, common, ttl_s]):
+        new_id = uuid.uuid4().hex
+        if not await self._claim(keys=[self.parked_key, *self._session_keys(tenant, session_id)[:2],
+                                       *self._session_keys(tenant, new_id)],
+                                 args=[member, int(parked_at), tenant, common, ttl_s, session_id]):
             return None
-        return await self.store.load(tenant, session_id), common
+        return await self.store.load(tenant, new_id), common
 
     async def park(self, record: SessionRecord) -> bool:
         """Parks a finished session (its lock released): keeps it on both
@@ -189,5 +195,9 @@ class PrefixCache:
 
     async def drop(self, tenant: str, session_id: str) -> None:
         """Deletes a session that is no longer parked, in Redis and on both services."""
-        await self.redis.delete(*self._session_keys(tenant, session_id)[:2])
-        await self.release(session_id)
+        keys = self._session_keys(tenant, session_id)[:2]
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(keys[0], "cache_id")
+            pipe.delete(*keys)
+            cache_id, _ = await pipe.execute()
+        await self.release((cache_id or b"").decode() or session_id)

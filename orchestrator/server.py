@@ -417,12 +417,13 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                 log.warning("could not park session %s; deleting it", record.session_id, exc_info=True)
         await self._delete(record.tenant, record.session_id)
 
-    async def _release(self, session_id: str) -> None:
-        await asyncio.gather(self.proposer.release(session_id), self.verifier.release(session_id))
+    async def _release(self, cache_id: str) -> None:
+        """Frees a session's caches on both services."""
+        await asyncio.gather(self.proposer.release(cache_id), self.verifier.release(cache_id))
 
     async def _delete(self, tenant: str, session_id: str) -> bool:
-        deleted = await self.store.delete(tenant, session_id)
-        await self._release(session_id)
+        deleted, cache_id = await self.store.delete(tenant, session_id)
+        await self._release(cache_id)
         return deleted
 
     async def close(self) -> None:

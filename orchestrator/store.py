@@ -1,7 +1,8 @@
 """Sessions and their committed tokens in Redis: the source of truth (DESIGN §2.1).
 
 Keys (all under a tenant):
-  tandem:{tenant}:session:{id}         hash: created, ttl, messages (JSON), draft_len, target_len
+  tandem:{tenant}:session:{id}         hash: created, ttl, messages (JSON), draft_len, target_len,
+                                       and cache_id where it is not the id (orchestrator.prefix_cache)
   tandem:{tenant}:session:{id}:tokens  list: committed token ids, in order
   tandem:owner:{id}                    the owning tenant (for PERMISSION_DENIED)
 """
@@ -58,6 +59,9 @@ class SessionRecord:
     draft_len: int = 0  # how many committed tokens the draft service is believed to hold
     target_len: int = 0
     ttl_s: int = 3600
+    # The name the model services keep its caches under: the session id,
+    # unless the session took over a parked one's caches (prefix_cache).
+    cache_id: str = ""
     lock: "_SessionLock | None" = field(default=None, repr=False, compare=False)  # while a request holds it
 
 
@@ -88,7 +92,8 @@ class SessionStore:
             pipe.expire(key, ttl)
             pipe.set(f"tandem:owner:{session_id}", tenant, ex=ttl)
             await pipe.execute()
-        return SessionRecord(session_id=session_id, tenant=tenant, tokens=[], messages=list(messages or []), ttl_s=ttl)
+        return SessionRecord(session_id=session_id, tenant=tenant, tokens=[], messages=list(messages or []), ttl_s=ttl,
+                             cache_id=session_id)
 
     async def _check_owner(self, tenant: str, session_id: str) -> None:
         owner = await self.redis.get(f"tandem:owner:{session_id}")
@@ -114,6 +119,7 @@ class SessionStore:
             draft_len=int(meta[b"draft_len"]),
             target_len=int(meta[b"target_len"]),
             ttl_s=int(meta[b"ttl"]),
+            cache_id=meta.get(b"cache_id", b"").decode() or session_id,
         )
 
     def _keys(self, record: SessionRecord) -> list[str]:
@@ -146,11 +152,16 @@ class SessionStore:
         return bool(await self._save_meta(keys=self._keys(record)[:1], args=[
             "messages", json.dumps(record.messages), "draft_len", record.draft_len, "target_len", record.target_len]))
 
-    async def delete(self, tenant: str, session_id: str) -> bool:
+    async def delete(self, tenant: str, session_id: str) -> tuple[bool, str]:
+        """Deletes a session; returns whether it existed, and its cache id (for
+        the services' release)."""
         await self._check_owner(tenant, session_id)
         key = self._key(tenant, session_id)
-        removed = await self.redis.delete(key, f"{key}:tokens", f"tandem:owner:{session_id}")
-        return removed > 0
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(key, "cache_id")
+            pipe.delete(key, f"{key}:tokens", f"tandem:owner:{session_id}")
+            cache_id, removed = await pipe.execute()
+        return removed > 0, (cache_id or b"").decode() or session_id
 
     def lock(self, record: SessionRecord):
         """One request at a time per session (across orchestrator replicas). The

@@ -80,7 +80,11 @@ def test_take_cuts_the_parked_tokens_to_the_common_prefix_and_hides_parked_sessi
             await store.load(tenant, parked.session_id)
         prompt = PROMPT + [1, 2, 99, 98]
         record, cached = await cache.take(tenant, prompt)
-        assert record.session_id == parked.session_id and cached == len(PROMPT) + 2
+        assert cached == len(PROMPT) + 2
+        # A new id for the client; the caches keep the name the services know.
+        assert record.session_id != parked.session_id and record.cache_id == parked.session_id
+        with pytest.raises(SessionNotFound):
+            await store.load(tenant, parked.session_id)
         assert record.tokens == prompt[:cached]
         assert record.draft_len == record.target_len == 0  # nothing ran on the services here
         assert await cache.take(tenant, prompt) is None  # taken: nobody else gets it
@@ -134,7 +138,7 @@ def test_parked_sessions_over_the_limit_go_oldest_first_in_redis_and_on_the_serv
         assert await cache.take(tenant, PROMPT + NEW) is None
         for record, tokens in ((second, [5] * 40), (third, [6] * 40)):
             taken, cached = await cache.take(tenant, tokens + NEW)
-            assert taken.session_id == record.session_id and cached == 40
+            assert taken.cache_id == record.session_id and cached == 40
             await store.delete(tenant, taken.session_id)
         await store.close()
 
@@ -160,12 +164,15 @@ def test_a_prompt_that_extends_a_finished_request_reuses_its_caches(cluster, tin
     with cluster.client() as client:
         first = client.generate(prompt_ids=PROMPT, max_tokens=12)
         prompt = PROMPT + first.token_ids + NEW
-        second = client.generate(prompt_ids=prompt, max_tokens=12)
-        with pytest.raises(grpc.RpcError) as parked:  # the first request's session is no client's any more
+        second = client.generate(prompt_ids=prompt, max_tokens=12, keep_session=True)
+        with pytest.raises(grpc.RpcError) as gone:  # parked, then taken over under a new id
             client.delete_session(first.session_id)
-    assert parked.value.code() == grpc.StatusCode.NOT_FOUND
+        assert client.delete_session(second.session_id)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    # The delete freed the caches on both services, under the name they kept.
+    assert _release_on_services(cluster, first.session_id) == [False, False]
     assert first.cached_prompt_tokens == 0
-    assert second.session_id == first.session_id
+    assert second.session_id != first.session_id
     assert second.cached_prompt_tokens == len(PROMPT) + len(first.token_ids)
     assert second.prompt_tokens == len(prompt)
     assert second.token_ids == reference_greedy(tiny_models["target"], prompt, 12)
@@ -183,7 +190,7 @@ def test_a_request_of_another_tenant_does_not_reuse_the_caches(cluster, tiny_mod
         prompt = prompt_a + first.token_ids + NEW
         by_bob = bob.generate(prompt_ids=prompt, max_tokens=8)
         by_alice = alice.generate(prompt_ids=prompt, max_tokens=8)
-    assert by_bob.cached_prompt_tokens == 0 and by_bob.session_id != first.session_id
+    assert by_bob.cached_prompt_tokens == 0
     assert by_alice.cached_prompt_tokens == len(prompt_a) + len(first.token_ids)
     expected = reference_greedy(tiny_models["target"], prompt, 8)
     assert by_bob.token_ids == expected and by_alice.token_ids == expected
