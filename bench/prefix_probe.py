@@ -2,7 +2,8 @@
 orchestrators in front of the same two model services, one with the prefix
 cache on (the default) and one with it off, each sent the same conversations
 through the OpenAI-compatible HTTP API, which resends the whole conversation
-every turn. Side by side in one run, alternating which goes first.
+every turn, each chat after the same system prompt. Side by side in one run,
+alternating which goes first.
 
 For each turn it records the client's time to the first streamed token and to
 the last, the prompt's tokens and how many of them were reused, and the
@@ -28,6 +29,17 @@ from tandem.launch import Deployment, Service, free_port
 
 log = logging.getLogger("bench.prefix_probe")
 SIDES = ("cache_on", "cache_off")
+# What a chat backend puts before every conversation: the same for all, so a
+# chat's first turn can start from a copy of another chat's caches of it.
+SYSTEM = (
+    "You are the coding assistant of a software company. Answer in English, briefly and precisely. "
+    "When you write code, use Python 3.11 unless the user asks for another language, follow PEP 8, "
+    "add type hints, and keep functions short. Prefer the standard library to third-party packages. "
+    "Explain what the code does in one or two sentences after it, not before. If a question is "
+    "ambiguous, state the assumption you make and answer it. Never invent APIs: if you are not sure "
+    "that a function exists, say so. Do not repeat the question. Do not apologize. When the user asks "
+    "for a change, show only the parts of the code that change, with enough context to find them."
+)
 CHATS = {
     "stack": ["Write a Python class for a stack with push, pop and peek.",
               "Add a method that returns the size.", "Now make pop raise a clear error when empty.",
@@ -71,14 +83,14 @@ def _turn(base: str, messages: list[dict], new_tokens: int) -> dict:
             "cache_misses": stats.get("cache_misses", 0)}
 
 
-def run(bases: dict[str, str], chats: dict[str, list[str]], turns: int, new_tokens: int) -> dict:
+def run(bases: dict[str, str], chats: dict[str, list[str]], turns: int, new_tokens: int, system: str = "") -> dict:
     rows = {side: [] for side in SIDES}
     for side in SIDES:  # warm-up: a turn each, on a conversation of its own
         _turn(bases[side], [{"role": "user", "content": f"Say hello ({side})."}], 8)
     for index, (name, users) in enumerate(chats.items()):
         order = SIDES if index % 2 == 0 else SIDES[::-1]
         for side in order:
-            messages = []
+            messages = [{"role": "system", "content": system}] if system else []
             for turn, user in enumerate(users[:turns]):
                 messages.append({"role": "user", "content": user})
                 row = _turn(bases[side], messages, new_tokens)
@@ -123,6 +135,9 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=4, help="user turns per conversation, at most 6 "
                                                              "(default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per reply (default: %(default)s)")
+    parser.add_argument("--system", choices=["shared", "none"], default="shared",
+                        help="shared: every chat opens with the same system prompt of about 150 tokens; "
+                             "none: with the model's default (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix_probe.json", help="JSON output path")
     args = parse_args(parser, argv)
@@ -137,11 +152,11 @@ def main(argv=None) -> int:
             off.start(deployment.log_dir)
             off.wait_ready(120)
             result = run({side: f"http://127.0.0.1:{port}" for side, port in ports.items()}, chats,
-                         args.turns, args.new_tokens)
+                         args.turns, args.new_tokens, SYSTEM if args.system == "shared" else "")
         finally:
             off.stop()
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, new_tokens=args.new_tokens,
-                  turns=args.turns, machine=machine())
+                  turns=args.turns, system=args.system, machine=machine())
     write(args.out, result)
     print(f"{'side':<10} {'TTFT p50, turn 1':>17} {'later turns':>12} {'tok/s':>7} {'cached/prompt':>15} "
           f"{'target prefill':>15}")

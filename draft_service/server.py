@@ -201,6 +201,10 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         self.prepared.release(request.session_id)
         return await super().ReleaseSession(request, context)
 
+    async def ForkSession(self, request, context):
+        self.prepared.release(request.session_id)  # a draft begun for the session's old cache
+        return await super().ForkSession(request, context)
+
     def counts(self) -> dict[str, int]:
         return dict(super().counts(), prepared=self.prepared.received, prepared_started=self.prepared.started,
                     prepared_used=self.prepared.used)

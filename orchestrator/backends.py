@@ -3,6 +3,7 @@ and their gRPC clients. Both return frozen dataclasses."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -14,6 +15,8 @@ from tandem import multiplex, serving, telemetry
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import sampling_to_proto
+
+log = logging.getLogger(__name__)
 
 
 class ServiceCacheMiss(Exception):
@@ -83,6 +86,8 @@ class Proposer(Protocol):
 
     async def release(self, session_id: str) -> None: ...
 
+    async def fork(self, source_id: str, session_id: str, prefix: Prefix) -> bool: ...
+
     async def model_info(self) -> common_pb2.ModelInfo: ...
 
 
@@ -100,6 +105,10 @@ class Verifier(Protocol):
         are verified beside it (greedy)."""
 
     async def release(self, session_id: str) -> None: ...
+
+    async def fork(self, source_id: str, session_id: str, prefix: Prefix) -> bool:
+        """session_id becomes a copy of source_id's cache cut to `prefix`;
+        False when the service does not hold it there (or does not answer)."""
 
     async def model_info(self) -> common_pb2.ModelInfo: ...
 
@@ -144,6 +153,16 @@ class _GrpcClient:
             )
         except grpc.aio.AioRpcError:
             pass  # a cache is disposable; the TTL reclaims it
+
+    async def fork(self, source_id: str, session_id: str, prefix: Prefix) -> bool:
+        request = common_pb2.ForkSessionRequest(
+            source_session_id=source_id, session_id=session_id,
+            prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint))
+        try:
+            return (await self.stub.ForkSession(request, timeout=self.timeout_s)).forked
+        except grpc.aio.AioRpcError as err:
+            log.warning("fork of session %s on %s failed: %s", source_id, self.address, err.details())
+            return False
 
     async def model_info(self) -> common_pb2.ModelInfo:
         try:

@@ -32,6 +32,9 @@ class InProcessProposer:
     async def release(self, session_id: str) -> None:
         self.drafter.store.release(session_id)
 
+    async def fork(self, source_id: str, session_id: str, prefix: Prefix) -> bool:
+        return self.drafter.store.fork(source_id, session_id, prefix.length, prefix.fingerprint)
+
 
 class InProcessVerifier:
     def __init__(self, verifier):
@@ -55,3 +58,6 @@ class InProcessVerifier:
 
     async def release(self, session_id: str) -> None:
         self.verifier.store.release(session_id)
+
+    async def fork(self, source_id: str, session_id: str, prefix: Prefix) -> bool:
+        return self.verifier.store.fork(source_id, session_id, prefix.length, prefix.fingerprint)

@@ -15,8 +15,8 @@ an output.
 Keys (all under a deployment's namespace: a hash of its two services'
 addresses, so that two deployments on one Redis never take each other's):
   tandem:parked:{ns}                    sorted set: "{session_id} {tenant}" by park time, ms
-  tandem:{tenant}:prefix:{ns}:{digest}  "{session_id} {length}": a parked session whose
-                                        tokens start with the block chain `digest` names
+  tandem:{tenant}:prefix:{ns}:{digest}  the id of a parked session whose tokens start
+                                        with the block chain `digest` names
 A parked session keeps its hash and token list, without its owner key, so no
 client call can read, continue or delete it. A request that takes it over gets
 it under a new id; the caches keep the name the services know them by
@@ -31,9 +31,11 @@ from array import array
 
 from orchestrator.config import PrefixCacheConfig
 from orchestrator.store import SessionRecord, SessionStore
+from tandem import fingerprint
 
 BLOCK = 16  # tokens a digest covers more than the one before it
 MAX_CANDIDATES = 3  # parked sessions a lookup tries before it prefills afresh
+MIN_FORK = 2 * BLOCK  # the shortest common prefix worth copying out of a parked session
 
 # KEYS: the session's hash, its token list, its owner key, the parked set.
 # ARGV: the member, the time in ms, the park TTL.
@@ -99,11 +101,15 @@ def worth_taking(common: int, parked: int) -> bool:
 
 
 class PrefixCache:
-    """Parks finished stateless sessions and hands them to requests that share
-    their prefix. `release(session_id)` frees a session on both services."""
+    """Parks finished stateless sessions and hands them, or a copy of their
+    beginning, to requests that share their prefix. `release(cache_id)` frees a
+    session's caches on both services; `fork(source_cache_id, cache_id, length,
+    fingerprint)` copies a prefix of one session's caches into another on both,
+    and says whether both did."""
 
-    def __init__(self, store: SessionStore, config: PrefixCacheConfig, namespace: str, release):
+    def __init__(self, store: SessionStore, config: PrefixCacheConfig, namespace: str, release, fork):
         self.store = store
+        self.fork = fork
         self.config = config
         self.redis = store.redis
         self.namespace = hashlib.blake2b(namespace.encode(), digest_size=6).hexdigest()
@@ -120,12 +126,14 @@ class PrefixCache:
         return [key, f"{key}:tokens", f"tandem:owner:{session_id}"]
 
     async def take(self, tenant: str, prompt: list[int], ttl_s: int = 0) -> tuple[SessionRecord, int] | None:
-        """A parked session of `tenant` whose tokens share a prefix with
-        `prompt`, now the caller's under a new session id (the id its last
-        request reported stays gone), its committed tokens cut to that prefix
-        (the longest there is, short of the prompt's last token, which the
-        turn must feed to be decoded after); and the prefix's length. None
-        when no parked session is worth taking."""
+        """A session for `prompt` that holds its longest prefix found among
+        the parked sessions of `tenant` (short of the prompt's last token, which
+        the turn must feed to be decoded after), and that prefix's length; None
+        when there is none worth having. The parked session itself when the
+        prefix keeps at least half its tokens (worth_taking): then it is the
+        caller's under a new id (the id its last request reported stays gone),
+        its committed tokens cut to the prefix. Else, from MIN_FORK tokens on,
+        a new session with a copy of the parked one's caches of the prefix."""
         digests = block_digests(prompt[:-1])
         if not digests:
             return None
@@ -135,35 +143,52 @@ class PrefixCache:
             value = found[blocks - 1]
             if value is None:
                 continue
-            session_id, length = value.decode().split()
-            if session_id in tried or not worth_taking(blocks * BLOCK, int(length)):
+            session_id = value.decode()
+            if session_id in tried:
                 continue
             tried.add(session_id)
-            taken = await self._take(tenant, session_id, prompt[:-1], ttl_s or self.store.default_ttl_s)
+            taken = await self._take_or_copy(tenant, session_id, prompt[:-1], ttl_s or self.store.default_ttl_s)
             if taken is not None:
                 return taken
             if len(tried) >= MAX_CANDIDATES:
                 break
         return None
 
-    async def _take(self, tenant: str, session_id: str, prefix: list[int], ttl_s: int):
+    async def _take_or_copy(self, tenant: str, session_id: str, prefix: list[int], ttl_s: int):
         member = f"{session_id} {tenant}"
         key = SessionStore._key(tenant, session_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zscore(self.parked_key, member)
             pipe.lrange(f"{key}:tokens", 0, -1)
-            parked_at, tokens = await pipe.execute()
+            pipe.hget(key, "cache_id")
+            parked_at, tokens, cache_id = await pipe.execute()
         if parked_at is None:
             return None  # taken, evicted or expired meanwhile
-        common = common_prefix([int(t) for t in tokens], prefix)
-        if not common or not worth_taking(common, len(tokens)):
-            return None
+        tokens = [int(t) for t in tokens]
+        common = common_prefix(tokens, prefix)
+        if not worth_taking(common, len(tokens)):
+            if common < MIN_FORK:
+                return None
+            return await self._copy(tenant, (cache_id or b"").decode() or session_id, tokens[:common], ttl_s)
         new_id = uuid.uuid4().hex
         if not await self._claim(keys=[self.parked_key, *self._session_keys(tenant, session_id)[:2],
                                        *self._session_keys(tenant, new_id)],
                                  args=[member, int(parked_at), tenant, common, ttl_s, session_id]):
             return None
         return await self.store.load(tenant, new_id), common
+
+    async def _copy(self, tenant: str, source_cache_id: str, prefix: list[int], ttl_s: int):
+        """A new session of `tenant` holding `prefix`, its caches copied on both
+        services from a parked session's, which stays parked; None when a
+        service no longer holds them."""
+        record = await self.store.create(tenant, ttl_s=ttl_s)
+        await self.store.append_tokens(record, prefix)
+        if not await self.fork(source_cache_id, record.cache_id, len(prefix), fingerprint.of(prefix)):
+            await self.store.delete(tenant, record.session_id)
+            return None
+        record.draft_len = record.target_len = len(prefix)
+        await self.store.save_meta(record)
+        return record, len(prefix)
 
     async def park(self, record: SessionRecord) -> bool:
         """Parks a finished session (its lock released): keeps it on both
@@ -175,10 +200,9 @@ class PrefixCache:
         if not await self._park(keys=[*self._session_keys(record.tenant, record.session_id), self.parked_key],
                                 args=[member, now_ms, ttl]):
             return False
-        value = f"{record.session_id} {len(record.tokens)}"
         async with self.redis.pipeline(transaction=False) as pipe:
             for digest in block_digests(record.tokens):
-                pipe.set(self._index_key(record.tenant, digest), value, ex=ttl)
+                pipe.set(self._index_key(record.tenant, digest), record.session_id, ex=ttl)
             await pipe.execute()
         await self._evict(now_ms)
         return True

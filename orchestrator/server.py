@@ -8,7 +8,7 @@ import random
 
 import grpc
 
-from orchestrator.backends import GrpcProposer, GrpcVerifier, ServiceCacheMiss, ServiceUnavailable
+from orchestrator.backends import GrpcProposer, GrpcVerifier, Prefix, ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import MAX_TREE_WIDTH, OrchestratorConfig
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
 from orchestrator.guards import admitted, store_unavailable
@@ -40,7 +40,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                                      relay_to=(config.relay_address or config.draft_address) if config.relay else "")
         self.store = SessionStore(config.redis_url, config.session_ttl_s)
         self.prefix_cache = (PrefixCache(self.store, config.prefix_cache, f"{config.draft_address} {config.target_address}",
-                                         self._release) if config.prefix_cache.enabled else None)
+                                         self._release, self._fork) if config.prefix_cache.enabled else None)
         self.tokenizer = None
         self.template = ChatTemplate(None)
         self.generation: Generation | None = None
@@ -420,6 +420,16 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
     async def _release(self, cache_id: str) -> None:
         """Frees a session's caches on both services."""
         await asyncio.gather(self.proposer.release(cache_id), self.verifier.release(cache_id))
+
+    async def _fork(self, source_id: str, cache_id: str, length: int, fp: int) -> bool:
+        """Copies a prefix of one session's caches into another on both
+        services; True when both did (else neither keeps a copy)."""
+        prefix = Prefix(length, fp)
+        forked = await asyncio.gather(self.proposer.fork(source_id, cache_id, prefix),
+                                      self.verifier.fork(source_id, cache_id, prefix))
+        if not all(forked):
+            await self._release(cache_id)
+        return all(forked)
 
     async def _delete(self, tenant: str, session_id: str) -> bool:
         deleted, cache_id = await self.store.delete(tenant, session_id)

@@ -410,10 +410,11 @@ def _print_result(result, args) -> None:
         print(json.dumps(result.as_dict()))
         return
     s = result.stats
+    reused = f", {result.cached_prompt_tokens} prompt tokens reused" if result.cached_prompt_tokens else ""
     print(
         f"\n[{result.finish_reason}] {result.completion_tokens} tokens, {s.rounds} rounds, "
         f"acceptance {result.acceptance_rate:.2f}, {s.total_ms / 1e3:.1f}s "
-        f"({result.completion_tokens / max(s.total_ms / 1e3, 1e-9):.1f} tok/s)",
+        f"({result.completion_tokens / max(s.total_ms / 1e3, 1e-9):.1f} tok/s){reused}",
         file=sys.stderr,
     )
 

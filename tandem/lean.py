@@ -162,6 +162,16 @@ class StaticKV:
         and are never read."""
         self.length = min(self.length, length)
 
+    def fork(self, length: int) -> "StaticKV":
+        """A copy of the first `length` positions in buffers of its own (the
+        whole capacity, so the positions past the length stay no garbage)."""
+        import copy
+
+        forked = copy.copy(self)
+        forked.keys, forked.values = self.keys.clone(), self.values.clone()
+        forked.length = min(length, self.length)
+        return forked
+
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 

@@ -161,6 +161,17 @@ class ModelServiceBase:
         released = await self.worker.run(self.store.release, request.session_id)
         return common_pb2.ReleaseSessionReply(released=released)
 
+    async def ForkSession(self, request, context):
+        if not request.session_id or not request.source_session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id and source_session_id are required")
+        if request.session_id == request.source_session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session cannot be forked into itself")
+        if request.prefix.length < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefix.length must be >= 1")
+        forked = await self.worker.run(self.store.fork, request.source_session_id, request.session_id,
+                                       request.prefix.length, request.prefix.fingerprint)
+        return common_pb2.ForkSessionReply(forked=forked)
+
     def counts(self) -> dict[str, int]:
         """What GetStats reports, keyed by ServiceStats field; the metrics read it too."""
         counters = self.store.counters

@@ -97,6 +97,12 @@ class SessionCache:
                 layer.crop(-extra)
         return True
 
+    def fork(self, length: int) -> "SessionCache":
+        """A copy of the first `length` tokens, history and keys/values, that
+        shares no tensor with this cache."""
+        kv_len = min(self.kv_len, length)
+        return SessionCache(_fork_kv(self.kv, kv_len), self.tokens[:length], self.fps[:length], kv_len)
+
     def matches(self, length: int, fp: int) -> bool:
         if length == 0:
             return True
@@ -116,6 +122,34 @@ class SessionCache:
         return sum(storages.values()) + 16 * len(self.tokens)
 
 
+def _fork_kv(kv, length: int):
+    """kv's first `length` positions, copied: by the cache's own fork
+    (StaticKV, NullKV), else per layer for a DynamicCache of plain layers,
+    else a deep copy cropped."""
+    import copy
+
+    from transformers.cache_utils import DynamicLayer
+
+    if hasattr(kv, "fork"):
+        return kv.fork(length)
+    layers = getattr(kv, "layers", None)
+    if layers is not None and all(type(layer) is DynamicLayer for layer in layers):
+        forked = copy.copy(kv)
+        forked.layers = []
+        for layer in layers:
+            copied = copy.copy(layer)
+            if getattr(layer, "keys", None) is not None:
+                copied.keys = layer.keys[..., :length, :].clone()
+                copied.values = layer.values[..., :length, :].clone()
+            forked.layers.append(copied)
+        return forked
+    forked = copy.deepcopy(kv)
+    extra = forked.get_seq_length() - length
+    if extra > 0:
+        forked.crop(-extra)
+    return forked
+
+
 class NullKV:
     """The KV cache of a drafter without a model."""
 
@@ -123,6 +157,9 @@ class NullKV:
 
     def crop(self, tokens_to_remove: int) -> None:
         pass
+
+    def fork(self, length: int) -> "NullKV":
+        return NullKV()
 
 
 @dataclass
@@ -177,6 +214,19 @@ class SessionCacheStore:
     def release(self, session_id: str) -> bool:
         self._total -= self._bytes.pop(session_id, 0)
         return self._sessions.pop(session_id, None) is not None
+
+    def fork(self, source_id: str, session_id: str, prefix_len: int, prefix_fp: int) -> bool:
+        """session_id becomes a copy of the first prefix_len tokens of
+        source_id's cache, if that holds the named prefix; else session_id
+        holds nothing. Returns whether it was copied."""
+        self.expire_idle()
+        self.release(session_id)
+        source = self._sessions.get(source_id)
+        if prefix_len < 1 or source is None or not source.matches(prefix_len, prefix_fp):
+            return False
+        self._sessions[session_id] = source.fork(prefix_len)
+        self.enforce_budget(keep=session_id)
+        return True
 
     def total_bytes(self) -> int:
         return self._total

@@ -9,8 +9,9 @@ import grpc
 import pytest
 
 from orchestrator.config import PrefixCacheConfig
-from orchestrator.prefix_cache import BLOCK, PrefixCache, block_digests, worth_taking
+from orchestrator.prefix_cache import BLOCK, MIN_FORK, PrefixCache, block_digests, worth_taking
 from orchestrator.store import SessionNotFound, SessionStore
+from tandem import fingerprint
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
 
@@ -54,14 +55,22 @@ def test_a_session_is_taken_only_when_it_keeps_at_least_half_its_tokens():
     assert not worth_taking(49, 100)
 
 
-def _store_and_cache(sessions=4, ttl_s=600):
+def _store_and_cache(sessions=4, ttl_s=600, fork_answers=True):
+    """A PrefixCache on the real Redis; the services' release and fork are
+    recorded (a fork answers fork_answers)."""
     store = SessionStore(REDIS_URL)
-    released = []
+    released, forks = [], []
 
-    async def release(session_id):
-        released.append(session_id)
+    async def release(cache_id):
+        released.append(cache_id)
 
-    return store, PrefixCache(store, PrefixCacheConfig(sessions, ttl_s), uuid.uuid4().hex, release), released
+    async def fork(source_id, cache_id, length, fp):
+        forks.append((source_id, cache_id, length, fp))
+        return fork_answers
+
+    cache = PrefixCache(store, PrefixCacheConfig(sessions, ttl_s), uuid.uuid4().hex, release, fork)
+    cache.forks = forks
+    return store, cache, released
 
 
 async def _parked(store, cache, tenant, tokens):
@@ -104,6 +113,56 @@ def test_the_whole_prompt_is_never_reused():
         record, cached = await cache.take(tenant, PROMPT)
         assert cached == len(PROMPT) - 1 and record.tokens == PROMPT[:-1]
         await store.delete(tenant, record.session_id)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_shorter_common_prefix_is_copied_and_the_parked_session_stays():
+    """Less than half the parked tokens in common, but MIN_FORK or more: the
+    request gets a new session with a copy of the prefix's caches, and the
+    parked session is still there for its own conversation."""
+    async def run():
+        store, cache, _ = _store_and_cache()
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        conversation = PROMPT + list(range(1, 61))  # 100 tokens
+        parked = await _parked(store, cache, tenant, conversation)
+        prompt = PROMPT[:36] + NEW
+        record, cached = await cache.take(tenant, prompt)
+        assert cached == 36 and record.tokens == PROMPT[:36]
+        assert record.draft_len == record.target_len == 36  # both services hold the copy
+        assert cache.forks == [(parked.session_id, record.cache_id, 36, fingerprint.of(PROMPT[:36]))]
+        assert record.session_id != parked.session_id and record.cache_id == record.session_id
+        taken, cached = await cache.take(tenant, conversation + NEW)  # the parked one is still there
+        assert taken.cache_id == parked.session_id and cached == len(conversation)
+        for session in (record, taken):
+            await store.delete(tenant, session.session_id)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_copy_the_services_cannot_make_leaves_nothing_behind():
+    async def run():
+        store, cache, _ = _store_and_cache(fork_answers=False)
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        parked = await _parked(store, cache, tenant, PROMPT + list(range(1, 61)))
+        assert await cache.take(tenant, PROMPT[:36] + NEW) is None
+        assert len(cache.forks) == 1
+        keys = {key.decode() for key in await store.redis.keys(f"tandem:{tenant}:session:*")}
+        assert keys == {SessionStore._key(tenant, parked.session_id) + suffix for suffix in ("", ":tokens")}
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_common_prefix_shorter_than_min_fork_is_not_copied():
+    async def run():
+        store, cache, _ = _store_and_cache()
+        tenant = f"t-{uuid.uuid4().hex[:8]}"
+        await _parked(store, cache, tenant, PROMPT + list(range(1, 61)))
+        assert await cache.take(tenant, PROMPT[:MIN_FORK - 1] + NEW) is None
+        assert cache.forks == []
         await store.close()
 
     asyncio.run(run())
@@ -210,6 +269,32 @@ def test_a_short_shared_beginning_does_not_take_a_conversation_over(cluster, tin
     assert follow_up.token_ids == reference_greedy(tiny_models["target"], own + first.token_ids + NEW, 8)
 
 
+def test_a_prompt_that_shares_the_beginning_of_a_conversation_starts_from_a_copy(cluster, tiny_models):
+    """Both services copy the shared prefix out of the parked session (its own
+    next turn still takes the whole of it), and both outputs equal the target alone."""
+    own = [(19 * i + 7) % 120 + 1 for i in range(40)]
+    shared = own[:36] + NEW  # 36 of the parked 40 + 60 tokens in common: less than half
+    with cluster.client() as client:
+        first = client.generate(prompt_ids=own, max_tokens=60)
+        stats_before = [_stats(cluster.draft_address, draft_pb2_grpc.DraftServiceStub),
+                        _stats(cluster.target_address, target_pb2_grpc.TargetServiceStub)]
+        copied = client.generate(prompt_ids=shared, max_tokens=10)
+        follow_up = client.generate(prompt_ids=own + first.token_ids + NEW, max_tokens=10)
+    assert copied.cached_prompt_tokens == 36 and copied.stats.cache_misses == 0
+    assert copied.stats.target_prefill_tokens <= len(NEW) + copied.stats.rounds
+    assert copied.token_ids == reference_greedy(tiny_models["target"], shared, 10)
+    assert follow_up.cached_prompt_tokens == len(own) + len(first.token_ids)
+    assert follow_up.token_ids == reference_greedy(tiny_models["target"], own + first.token_ids + NEW, 10)
+    for before, after in zip(stats_before, [_stats(cluster.draft_address, draft_pb2_grpc.DraftServiceStub),
+                                            _stats(cluster.target_address, target_pb2_grpc.TargetServiceStub)]):
+        assert after.cache_misses == before.cache_misses
+
+
+def _stats(address, stub_class):
+    with grpc.insecure_channel(address) as channel:
+        return stub_class(channel).GetStats(common_pb2.GetStatsRequest())
+
+
 def test_caches_lost_while_parked_are_resynced_and_the_output_is_unchanged(cluster, tiny_models):
     prompt_a = [(13 * i + 1) % 120 + 1 for i in range(36)]
     with cluster.client() as client:
@@ -256,7 +341,8 @@ def test_the_prefix_probe_reuses_caches_on_one_side_only_and_gets_the_same_repli
 
     out = tmp_path / "prefix_probe.json"
     assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
-                 "--chats", "stack,csv", "--turns", "3", "--new-tokens", "8", "--out", str(out)]) == 0
+                 "--chats", "stack,csv", "--turns", "3", "--new-tokens", "8", "--system", "none",
+                 "--out", str(out)]) == 0  # the shared system prompt alone is past the tiny models' window
     result = json.loads(out.read_text())
     on, off = result["modes"]["cache_on"], result["modes"]["cache_off"]
     assert on["requests"] == off["requests"] == 6 and result["identical"] == 6
@@ -264,3 +350,22 @@ def test_the_prefix_probe_reuses_caches_on_one_side_only_and_gets_the_same_repli
     assert on["prompt_tokens"] == off["prompt_tokens"]
     assert on["target_prefill_tokens"] <= off["target_prefill_tokens"] - on["cached_tokens"] + on["requests"]
     assert all(r["cached_tokens"] > 0 for r in result["runs"]["cache_on"] if r["turn"] > 0)
+
+
+def test_fork_session_refuses_bad_input_with_invalid_argument(cluster):
+    for address, stub_class in ((cluster.draft_address, draft_pb2_grpc.DraftServiceStub),
+                                (cluster.target_address, target_pb2_grpc.TargetServiceStub)):
+        with grpc.insecure_channel(address) as channel:
+            stub = stub_class(channel)
+            for request, words in (
+                (common_pb2.ForkSessionRequest(source_session_id="a", session_id="a",
+                                               prefix=common_pb2.PrefixRef(length=1)), "into itself"),
+                (common_pb2.ForkSessionRequest(source_session_id="a", session_id="b"), "prefix.length"),
+                (common_pb2.ForkSessionRequest(session_id="b", prefix=common_pb2.PrefixRef(length=1)), "required"),
+            ):
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.ForkSession(request)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.details()
+            missing = stub.ForkSession(common_pb2.ForkSessionRequest(
+                source_session_id="no-such-session", session_id="b", prefix=common_pb2.PrefixRef(length=3)))
+            assert not missing.forked
