@@ -248,9 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--prefix-cache", type=_int_in(0, 1_000_000), default=32, metavar="N",
                       help="a Generate without keep_session (and every HTTP request) ends by parking its session, "
                            "caches and all, instead of deleting it; a later one of the same tenant whose prompt "
-                           "starts with the same tokens (the next turn of a conversation resent whole, say) takes "
-                           "it over and prefills only the rest (usage: cached_prompt_tokens). Keeps at most N "
-                           "parked sessions, the oldest dropped first; 0 = off (default: %(default)s)")
+                           "starts with the same tokens takes it over (the next turn of a conversation resent "
+                           "whole, say), or starts from a copy of its caches of a shorter shared beginning (a "
+                           "system prompt), and prefills only the rest (usage: cached_prompt_tokens). Keeps at "
+                           "most N parked sessions, the oldest dropped first; 0 = off (default: %(default)s)")
     orch.add_argument("--prefix-cache-ttl", type=_int_in(1, 10_000_000), default=600, metavar="SECONDS",
                       help="how long a session stays parked for --prefix-cache (default: %(default)s)")
     orch.add_argument("--wait", type=float, default=600,
