@@ -65,6 +65,10 @@ class OrchestratorConfig:
     # A finished Generate without keep_session parks its session, and a later
     # one whose prompt shares its prefix takes it over and prefills only the rest.
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    # A file of "TENANT KEY" lines: every call that touches sessions must carry
+    # one of the keys (orchestrator.auth), which names its tenant. "" = none:
+    # the x-tandem-tenant metadata is trusted as it is.
+    api_keys_file: str = ""
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:

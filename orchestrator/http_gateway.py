@@ -77,7 +77,8 @@ class Gateway:
 
     @staticmethod
     def _metadata(request: web.Request) -> tuple:
-        pairs = [(TENANT_HEADER, request.headers.get(TENANT_HEADER, ""))]
+        pairs = [(TENANT_HEADER, request.headers.get(TENANT_HEADER, "")),
+                 ("authorization", request.headers.get("Authorization", ""))]
         pairs += [(name, request.headers.get(name, "")) for name in TRACE_HEADERS]
         return tuple((k, v) for k, v in pairs if v)
 

@@ -8,6 +8,7 @@ import random
 
 import grpc
 
+from orchestrator.auth import ApiKeys, call_tenant
 from orchestrator.backends import GrpcProposer, GrpcVerifier, Prefix, ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import MAX_TREE_WIDTH, OrchestratorConfig
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
@@ -22,8 +23,6 @@ from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
-TENANT_KEY = "x-tandem-tenant"
-DEFAULT_TENANT = "default"
 DRAFT_GRACE_S = 30.0  # at start, how long the draft service may lag the target before serving without it
 PAIR_POLL_S = 2.0  # then, how often to ask it again
 
@@ -39,6 +38,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s, config.service_transport,
                                      relay_to=(config.relay_address or config.draft_address) if config.relay else "")
         self.store = SessionStore(config.redis_url, config.session_ttl_s)
+        self.api_keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
         self.prefix_cache = (PrefixCache(self.store, config.prefix_cache, f"{config.draft_address} {config.target_address}",
                                          self._release, self._fork) if config.prefix_cache.enabled else None)
         self.tokenizer = None
@@ -172,12 +172,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"model services unavailable: {err}")
         return self.generation
 
-    @staticmethod
-    def _tenant(context) -> str:
-        for key, value in context.invocation_metadata() or ():
-            if key == TENANT_KEY and value:
-                return value
-        return DEFAULT_TENANT
+    async def _tenant(self, context) -> str:
+        return await call_tenant(context, self.api_keys)
 
     def _params(self, msg: tandem_pb2.GenerationParams) -> RequestParams:
         seed = msg.seed if msg.HasField("seed") else random.getrandbits(63)
@@ -226,8 +222,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
     @admitted
     @store_unavailable
     async def Generate(self, request, context):
+        tenant = await self._tenant(context)
         generation = await self._ready(context)
-        tenant = self._tenant(context)
         try:
             params = self._params(request.params)
             messages = None
@@ -263,16 +259,17 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
 
     @store_unavailable
     async def CreateSession(self, request, context):
+        tenant = await self._tenant(context)
         await self._ready(context)
         messages = [{"role": "system", "content": request.system_prompt}] if request.system_prompt else []
-        record = await self.store.create(self._tenant(context), messages, request.ttl_seconds)
+        record = await self.store.create(tenant, messages, request.ttl_seconds)
         return tandem_pb2.Session(session_id=record.session_id, committed_tokens=0)
 
     @admitted
     @store_unavailable
     async def Chat(self, request, context):
+        tenant = await self._tenant(context)
         generation = await self._ready(context)
-        tenant = self._tenant(context)
         record = await self._load(context, tenant, request.session_id)
         user = None
         try:
@@ -303,7 +300,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
 
     @store_unavailable
     async def DeleteSession(self, request, context):
-        tenant = self._tenant(context)
+        tenant = await self._tenant(context)
         await self._load(context, tenant, request.session_id)
         deleted = await self._delete(tenant, request.session_id)
         return tandem_pb2.DeleteSessionReply(deleted=deleted)

@@ -111,6 +111,9 @@ def _add_sampling_flags(p) -> None:
                    help="orchestrator address (default: $TANDEM_ADDRESS or %(default)s)")
     p.add_argument("--tenant", default=None,
                    help="tenant id sent as x-tandem-tenant (default: none sent; the server's tenant \"default\")")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY") or None,
+                   help="the key of a server run with --api-keys, sent as 'authorization: Bearer KEY' "
+                        "(default: $TANDEM_API_KEY, else none sent)")
     p.add_argument("--max-tokens", type=_int_in(1, INT32_MAX), default=None,
                    help="most tokens to generate (server default 128)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
@@ -254,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "most N parked sessions, the oldest dropped first; 0 = off (default: %(default)s)")
     orch.add_argument("--prefix-cache-ttl", type=_int_in(1, 10_000_000), default=600, metavar="SECONDS",
                       help="how long a session stays parked for --prefix-cache (default: %(default)s)")
+    orch.add_argument("--api-keys", default=os.environ.get("TANDEM_API_KEYS_FILE", ""), metavar="FILE",
+                      help="require an API key on every call that touches sessions (gRPC metadata "
+                           "'authorization: Bearer KEY'; HTTP: the Authorization header): FILE has one "
+                           "'TENANT KEY' line a key, and the key decides the caller's tenant. Without it the "
+                           "x-tandem-tenant metadata is trusted as sent (default: $TANDEM_API_KEYS_FILE, else none)")
     orch.add_argument("--wait", type=float, default=600,
                       help="seconds to wait for the model services at start; with --draft-fallback on, at most "
                            "30 s for the draft once the target answers (default: %(default)s)")
@@ -330,6 +338,7 @@ def _serve(args) -> None:
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
                 relay=args.relay == "on", relay_address=args.relay_address, tree_width=args.tree_width,
                 prefix_cache=PrefixCacheConfig(sessions=args.prefix_cache, ttl_s=args.prefix_cache_ttl),
+                api_keys_file=args.api_keys,
             )
             _keep_torch_out()
             from orchestrator.server import build_server
@@ -426,7 +435,7 @@ def _generate(args) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         print("tandem generate: give a prompt or --prompt-ids (one of them)", file=sys.stderr)
         return 2
-    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout) as client:
+    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key) as client:
         stream = client.generate_stream(args.prompt, args.prompt_ids, **_sampling_kwargs(args))
         show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
         result = collect(stream, on_delta=show)
@@ -437,7 +446,7 @@ def _generate(args) -> int:
 def _chat(args) -> int:
     from tandem.client import TandemClient, collect
 
-    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout) as client:
+    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key) as client:
         session = client.create_session(system_prompt=args.system)
         print(f"session {session}; an empty line or Ctrl-D ends the chat", file=sys.stderr)
         try:

@@ -54,10 +54,13 @@ def params_message(**kwargs) -> tandem_pb2.GenerationParams:
 
 
 class TandemClient:
-    def __init__(self, address: str, tenant: str | None = None, timeout_s: float | None = None):
+    def __init__(self, address: str, tenant: str | None = None, timeout_s: float | None = None,
+                 api_key: str | None = None):
+        """api_key: sent as "authorization: Bearer KEY", for a server run with --api-keys."""
         self.channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS])
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
-        self.metadata = (("x-tandem-tenant", tenant),) if tenant else ()
+        self.metadata = ((("x-tandem-tenant", tenant),) if tenant else ()) + (
+            (("authorization", f"Bearer {api_key}"),) if api_key else ())
         self.timeout_s = timeout_s
 
     def close(self) -> None:

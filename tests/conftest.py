@@ -96,7 +96,7 @@ class Cluster:
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
-                 target_graphs: str = "auto", prefix_cache=None):
+                 target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = ""):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
@@ -114,7 +114,8 @@ class Cluster:
                            max_concurrent_requests=max_concurrent_requests, tokenizer=tokenizer,
                            prefill_overlap=prefill_overlap, target_linear=target_linear,
                            inline_compute=inline_compute, relay=relay, relay_address=relay_address,
-                           tree_width=tree_width, target_graphs=target_graphs, prefix_cache=prefix_cache)
+                           tree_width=tree_width, target_graphs=target_graphs, prefix_cache=prefix_cache,
+                           api_keys_file=api_keys_file)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -147,17 +148,17 @@ class Cluster:
             draft_fallback=p["draft_fallback"], max_concurrent_requests=p["max_concurrent_requests"],
             tokenizer=p["tokenizer"], prefill_overlap=p["prefill_overlap"], relay=p["relay"],
             relay_address=p["relay_address"], tree_width=p["tree_width"],
-            prefix_cache=p["prefix_cache"] or PrefixCacheConfig(),
+            prefix_cache=p["prefix_cache"] or PrefixCacheConfig(), api_keys_file=p["api_keys_file"],
         )
         orch, orch_port, _, self.orchestrator = build_orch("127.0.0.1:0", config)
         await orch.start()
         self.servers.append(orch)
         self.address = f"127.0.0.1:{orch_port}"
 
-    def client(self, tenant=None):
+    def client(self, tenant=None, api_key=None):
         from tandem.client import TandemClient
 
-        return TandemClient(self.address, tenant=tenant, timeout_s=120)
+        return TandemClient(self.address, tenant=tenant, timeout_s=120, api_key=api_key)
 
     def stop(self):
         async def stop_all():

@@ -1,5 +1,8 @@
 """The Kubernetes manifests start the services the CLI knows: every
 container's args parse, and each serves on the port its probes and Service use."""
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,28 @@ def test_each_service_exposes_its_deployments_named_ports():
             service = services[deployment["metadata"]["name"]]
             forwarded = {p.get("name"): p["targetPort"] for p in service["spec"]["ports"]}
             assert forwarded == {p.get("name"): p["containerPort"] for p in container["ports"]}, path.name
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to render")
+def test_the_api_keys_component_gives_the_orchestrator_its_keys_file(tmp_path, monkeypatch):
+    """components/api-keys on the cpu overlay: the Secret is mounted where the
+    orchestrator's $TANDEM_API_KEYS_FILE points, which its --api-keys reads."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    relative = Path(os.path.relpath(K8S, overlay))
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{relative / 'overlays' / 'cpu'}]\ncomponents: [{relative / 'components' / 'api-keys'}]\n")
+    rendered = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    orchestrator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tandem-orchestrator")
+    spec = orchestrator["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "api-keys")
+    volume = next(v for v in spec["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == "tandem-api-keys" and mount["readOnly"]
+    assert Path(env["TANDEM_API_KEYS_FILE"]).parent == Path(mount["mountPath"])
+    monkeypatch.setenv("TANDEM_API_KEYS_FILE", env["TANDEM_API_KEYS_FILE"])
+    assert build_parser().parse_args(container["args"]).api_keys == env["TANDEM_API_KEYS_FILE"]

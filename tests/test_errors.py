@@ -168,6 +168,7 @@ def test_model_services_check_their_input(random_cluster):
     (["target", "--model", "./missing", "--dtype", "float32"], "no such directory"),
     (["target", "--graphs", "on"], "--graphs on needs a CUDA device, not cpu"),
     (["orchestrator", "--redis-url", "redis://127.0.0.1:1/0"], "connecting to 127.0.0.1:1"),
+    (["orchestrator", "--api-keys", "./missing-keys"], "cannot read the API keys file ./missing-keys"),
 ])
 def test_serve_with_bad_flags_exits_2_with_words(argv, words):
     """A service that cannot start says why in one line and exits 2, without a traceback."""
