@@ -325,6 +325,53 @@ class LeanRunner:
         the block's k tokens."""
         return self.forward(kv, tokens, logits_to_keep=k + 1)
 
+    @torch.inference_mode()
+    def forward_batch(self, feeds: list[tuple[StaticKV, list[int], int]]) -> list[torch.Tensor]:
+        """Several sessions' feeds in one pass over the layers: each feed is
+        (kv, tokens, logits_to_keep), and its logits are what forward(kv, tokens,
+        logits_to_keep) gives. The projections and the MLP run once over all the
+        feeds' rows (the weights are read once, not once a session); attention
+        runs per feed, on its own cache. Per-op path only (no static buffers,
+        no fused layers)."""
+        assert feeds and all(tokens and 1 <= keep <= len(tokens) for _, tokens, keep in feeds)
+        counts = [len(tokens) for _, tokens, _ in feeds]
+        starts = [kv.length for kv, _, _ in feeds]
+        for (kv, _, _), start, count in zip(feeds, starts, counts):
+            kv.reserve(start + count)
+        self._rotary_table(max(s + c for s, c in zip(starts, counts)))
+        cos = torch.cat([self.cos[s:s + c] for s, c in zip(starts, counts)])  # [rows, head_dim]
+        sin = torch.cat([self.sin[s:s + c] for s, c in zip(starts, counts)])
+        masks = [None if c == 1 else torch.ones(c, s + c, dtype=torch.bool, device=self.device).tril(s)
+                 for s, c in zip(starts, counts)]
+        rows = sum(counts)
+        x = self.embedding[torch.tensor([t for _, tokens, _ in feeds for t in tokens], device=self.device)]
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.norm1, layer.eps1)
+            q_all = _rotate(layer.q(h).view(rows, heads, head_dim).transpose(0, 1), cos, sin)  # [heads, rows, hd]
+            k_all = _rotate(layer.k(h).view(rows, kv_heads, head_dim).transpose(0, 1), cos, sin)
+            v_all = layer.v(h).view(rows, kv_heads, head_dim).transpose(0, 1)
+            attended, row = [], 0
+            for (kv, _, _), start, count, mask in zip(feeds, starts, counts, masks):
+                end = start + count
+                kv.keys[i, :, start:end] = k_all[:, row:row + count]
+                kv.values[i, :, start:end] = v_all[:, row:row + count]
+                out = F.scaled_dot_product_attention(q_all[None, :, row:row + count], kv.keys[i, None, :, :end],
+                                                     kv.values[i, None, :, :end], attn_mask=mask,
+                                                     enable_gqa=kv_heads != heads)  # [1, heads, T, hd]
+                attended.append(out[0].transpose(0, 1).reshape(count, heads * head_dim))
+                row += count
+            x = x + layer.o(torch.cat(attended))
+            h = _rms_norm(x, layer.norm2, layer.eps2)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        kept, row = [], 0
+        for (kv, _, keep), start, count in zip(feeds, starts, counts):
+            kv.length = start + count
+            row += count
+            kept.append(x[row - keep:row])
+        logits = self.head(self.norm(torch.cat(kept))).float()
+        return list(logits.split([keep for _, _, keep in feeds]))
+
     verifies_trees = False  # no forward_tree: a verify takes the block alone
     attends_row_by_row = False
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 
+import grpc
 import torch
 
 from tandem import cpu_kernels, multiplex, serving, telemetry
@@ -14,6 +15,7 @@ from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import sampling_from_proto
+from target_service.batcher import VerifyBatcher
 from target_service.relay import Relay, next_request
 from target_service.verifier import Verifier, VerifyCall
 
@@ -67,14 +69,21 @@ def suggested_tree_width(model: ModelConfig, runner: ModelRunner) -> int:
 class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
     role = "target"
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto"):
+    def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto",
+                 batch_verifies: int = 1):
         worker = serving.ModelWorker("target-model")
         info = worker.start_up(load, model)
         worker.inline = inline_compute(model.inline_compute, model.device)
         runner = worker.start_up(target_runner, info, model.device, graphs)
+        if batch_verifies > 1 and not hasattr(runner, "forward_batch"):
+            if (reason := unsupported(info.model)) is not None:
+                raise ValueError(f"--batch-verifies needs the lean forward, which does not support {reason}")
+            runner = LeanRunner(info, model.device, fused=False)
+            log.info("verifies run the lean forward, so that up to %d sessions' blocks share one", batch_verifies)
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
         super().__init__(info, store, worker)
         self.verifier = Verifier(runner, store)
+        self.batcher = VerifyBatcher(worker, self.verifier, batch_verifies) if batch_verifies > 1 else None
         self.tree_width = suggested_tree_width(model, runner)
         self.relay = Relay()
 
@@ -133,6 +142,24 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         tokens = self.check_tokens(tokens, "alternative_tokens", self.info.vocab_size)
         return tuple(zip(positions, tokens))
 
+    async def run_batched(self, context, call: VerifyCall):
+        """As run_checked, through the batcher (--batch-verifies)."""
+        from tandem.session_cache import CacheMiss
+
+        self.calls += 1
+        self._sweep_idle()
+        try:
+            return await self.batcher.verify(call)
+        except CacheMiss as miss:
+            await serving.abort_cache_miss(context, miss)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    def counts(self) -> dict[str, int]:
+        batcher = self.batcher
+        return dict(super().counts(), verify_batches=batcher.batches if batcher else 0,
+                    batched_verifies=batcher.batched_calls if batcher else 0)
+
     async def VerifyStream(self, calls, context):
         """Verify calls multiplexed on one stream (tandem.multiplex)."""
         async for result in multiplex.serve_calls(calls, self.Verify, target_pb2.VerifyResult, common_pb2.CallError,
@@ -146,8 +173,11 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             if span.is_recording():
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": len(call.draft_tokens)})
-            outcome = await self.run_checked(context, self.verifier.verify, call,
-                                             rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
+            if self.batcher is not None:
+                outcome = await self.run_batched(context, call)
+            else:
+                outcome = await self.run_checked(context, self.verifier.verify, call,
+                                                 rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
             self.prefill_tokens += outcome.prefilled
             relay = request.relay
             if (call.draft_tokens and relay.draft_address and relay.num_tokens
@@ -170,9 +200,10 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             )
 
 
-def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto"):
+def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto",
+                 batch_verifies: int = 1):
     """Returns (server, port, health, servicer); the caller starts the server."""
-    servicer = TargetServicer(model, cache, graphs)
+    servicer = TargetServicer(model, cache, graphs, batch_verifies)
 
     def register(server):
         target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)

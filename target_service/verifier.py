@@ -68,11 +68,71 @@ class Verifier:
             more_tokens=verdict.more_tokens,
         )
 
+    def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
+        """Several sessions' calls (distinct sessions) at once: their blocks go
+        through one forward (runner.forward_batch) where the runner has one;
+        each outcome is what verify(call) would give, or the exception it would
+        raise (a cache miss fails its own call only). A call with alternatives
+        to verify as a tree runs alone after the batch."""
+        batch_forward = getattr(self.runner, "forward_batch", None)
+        if len(calls) == 1 or batch_forward is None:
+            return [self._outcome_or_error(self.verify, call) for call in calls]
+        start = time.perf_counter()
+        results: list[VerifyOutcome | Exception | None] = [None] * len(calls)
+        joined = []  # (index, cache, cropped, first draft position)
+        for index, call in enumerate(calls):
+            if call.alternatives and call.draft_tokens and call.sampling.greedy and self.runner.verifies_trees:
+                continue
+            try:
+                cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
+            except Exception as err:  # CacheMiss
+                results[index] = err
+                continue
+            first_draft_pos = len(cache) + len(call.new_tokens)
+            cache.append(call.new_tokens + call.draft_tokens)
+            joined.append((index, cache, cropped, first_draft_pos))
+        if joined:
+            try:
+                logits = batch_forward([(cache.kv, cache.unfed(), len(calls[index].draft_tokens) + 1)
+                                        for index, cache, _, _ in joined])
+            except Exception as err:
+                for index, *_ in joined:
+                    self.store.release(calls[index].session_id)  # a half-written cache is never reused
+                    results[index] = err
+                joined = []
+            compute_ms = (time.perf_counter() - start) * 1e3
+            for (index, cache, cropped, first_draft_pos), block_logits in zip(joined, logits if joined else ()):
+                call = calls[index]
+                cache.mark_fed()
+                verdict = self._settle_block(cache, call, first_draft_pos, block_logits)
+                self.store.enforce_budget(keep=call.session_id)
+                results[index] = VerifyOutcome(accepted=verdict.accepted, next_token=verdict.next_token,
+                                               prefilled=len(call.new_tokens), cropped=cropped,
+                                               compute_ms=compute_ms, more_tokens=verdict.more_tokens)
+        for index, call in enumerate(calls):
+            if results[index] is None:
+                results[index] = self._outcome_or_error(self.verify, call)
+        return results
+
+    @staticmethod
+    def _outcome_or_error(fn, call):
+        try:
+            return fn(call)
+        except Exception as err:
+            return err
+
     def _verify_block(self, cache, call: VerifyCall, first_draft_pos: int) -> Verdict:
         """The block in one forward; the cache keeps the accepted draft tokens."""
         k = len(call.draft_tokens)
         logits = self.runner.forward_block(cache.kv, cache.unfed(), k)  # [k+1, vocab]
         cache.mark_fed()
+        return self._settle_block(cache, call, first_draft_pos, logits)
+
+    def _settle_block(self, cache, call: VerifyCall, first_draft_pos: int, logits: torch.Tensor) -> Verdict:
+        """The verdict on the block from its [k+1, vocab] logits; the cache keeps
+        the accepted draft tokens."""
+        assert logits.ndim == 2
+        k = len(call.draft_tokens)
         if call.sampling.greedy:
             verdict = verify_greedy(call.draft_tokens, logits.argmax(dim=-1).tolist())
         else:

@@ -96,7 +96,7 @@ class Cluster:
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
-                 target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = ""):
+                 target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int = 1):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
@@ -115,7 +115,7 @@ class Cluster:
                            prefill_overlap=prefill_overlap, target_linear=target_linear,
                            inline_compute=inline_compute, relay=relay, relay_address=relay_address,
                            tree_width=tree_width, target_graphs=target_graphs, prefix_cache=prefix_cache,
-                           api_keys_file=api_keys_file)
+                           api_keys_file=api_keys_file, target_batch=target_batch)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -132,7 +132,8 @@ class Cluster:
         cache = CacheConfig(budget_mb=p["cache_mb"], session_ttl_s=0)
         target, target_port, _, self.target = build_target(
             "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"], linear=p["target_linear"],
-                                       inline_compute=p["inline_compute"]), cache, graphs=p["target_graphs"])
+                                       inline_compute=p["inline_compute"]), cache, graphs=p["target_graphs"],
+            batch_verifies=p["target_batch"])
         draft, draft_port, _, self.draft = build_draft(
             "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"],
                                        inline_compute=p["inline_compute"]), cache,

@@ -1,0 +1,167 @@
+"""The target's --batch-verifies: several sessions' blocks in one forward give
+what each would alone, a queued verify waits for no more than the one running,
+and end to end the output stays the target alone's."""
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from tandem import fingerprint
+from tandem.lean import LeanRunner
+from tandem.modeling import ModelConfig, load
+from tandem.sampling import SamplingParams
+from tandem.serving import ModelWorker
+from tandem.session_cache import CacheMiss, SessionCacheStore
+from target_service.batcher import VerifyBatcher
+from target_service.verifier import Verifier, VerifyCall
+from tests.conftest import Cluster, reference_greedy
+
+HISTORIES = {"a": [(7 * i) % 120 + 1 for i in range(40)], "b": [5, 6, 7], "c": [(3 * i) % 100 + 9 for i in range(17)]}
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_models):
+    return LeanRunner(load(ModelConfig(tiny_models["target"], dtype="float32")), "cpu", fused=False)
+
+
+def test_a_batched_forward_gives_each_feed_its_own_logits(runner):
+    feeds, alone = [], []
+    for tokens in HISTORIES.values():
+        kv, twin = runner.new_cache(), runner.new_cache()
+        runner.forward(kv, tokens, 1)
+        runner.forward(twin, tokens, 1)
+        feeds.append(kv)
+        alone.append(twin)
+    blocks = [[3, 4, 5, 6], [7], [9, 10, 11]]
+    fresh = runner.new_cache()
+    got = runner.forward_batch([*((kv, b, len(b)) for kv, b in zip(feeds, blocks)), (fresh, [1, 2, 3, 4, 5], 2)])
+    expected = [runner.forward(kv, b, len(b)) for kv, b in zip(alone, blocks)]
+    expected.append(runner.forward(runner.new_cache(), [1, 2, 3, 4, 5], 2))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    assert [kv.length for kv in feeds] == [len(h) + len(b) for h, b in zip(HISTORIES.values(), blocks)]
+    assert fresh.length == 5
+
+
+def _verifier(runner) -> Verifier:
+    store = SessionCacheStore(runner.new_cache)
+    for session, tokens in HISTORIES.items():
+        cache, _ = store.checkout(session, 0, 0)
+        runner.forward(cache.kv, tokens, 1)
+        cache.append(tokens)
+        cache.mark_fed()
+    return Verifier(runner, store)
+
+
+def _calls(sampling) -> list[VerifyCall]:
+    calls = []
+    for i, (session, tokens) in enumerate(HISTORIES.items()):
+        draft = [(11 * i + j) % 120 + 1 for j in range(3)]
+        probs, dists = [], None
+        if not sampling.greedy:
+            dists = torch.softmax(torch.randn(3, 128, generator=torch.Generator().manual_seed(i)), dim=-1)
+            probs = [float(dists[j, t]) for j, t in enumerate(draft)]
+        calls.append(VerifyCall(session, len(tokens), fingerprint.of(tokens), [i + 1], draft, probs, dists, sampling))
+    return calls
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_batch_of_verifies_decides_as_each_would_alone(runner, sampling):
+    batched, alone = _verifier(runner), _verifier(runner)
+    calls = _calls(sampling)
+    outcomes = batched.verify_batch(calls)
+    for call, outcome in zip(calls, outcomes):
+        expected = alone.verify(call)
+        assert (outcome.accepted, outcome.next_token, outcome.prefilled) == \
+               (expected.accepted, expected.next_token, expected.prefilled)
+        assert batched.store.peek(call.session_id).tokens == alone.store.peek(call.session_id).tokens
+
+
+def test_a_cache_miss_fails_its_own_call_only(runner):
+    verifier = _verifier(runner)
+    calls = _calls(GREEDY)
+    calls[1] = VerifyCall("b", 3, fingerprint.of([9, 9, 9]), [1], [2, 3], [], None, GREEDY)
+    outcomes = verifier.verify_batch(calls)
+    assert isinstance(outcomes[1], CacheMiss)
+    assert outcomes[0].prefilled == 1 and outcomes[2].prefilled == 1
+
+
+def test_verifies_that_queue_behind_a_running_one_go_together(runner):
+    async def run():
+        worker = ModelWorker("test-target")
+        batcher = VerifyBatcher(worker, _verifier(runner), max_batch=8)
+        try:
+            calls = _calls(GREEDY)
+            outcomes = await asyncio.gather(*(batcher.verify(call) for call in calls))
+        finally:
+            worker.shutdown()
+        return batcher, outcomes
+
+    batcher, outcomes = asyncio.run(run())
+    assert (batcher.batches, batcher.batched_calls) == (2, 3)  # the first alone, then the two that queued
+    alone = _verifier(runner)
+    assert [o.next_token for o in outcomes] == [alone.verify(c).next_token for c in _calls(GREEDY)]
+
+
+def test_a_verify_cancelled_while_queued_never_runs(runner):
+    async def run():
+        worker = ModelWorker("test-target")
+        verifier = _verifier(runner)
+        batcher = VerifyBatcher(worker, verifier, max_batch=8)
+        calls = _calls(GREEDY)
+        try:
+            first = asyncio.ensure_future(batcher.verify(calls[0]))
+            queued = asyncio.ensure_future(batcher.verify(calls[1]))
+            await asyncio.sleep(0)  # both are in: the first runs, the second waits
+            queued.cancel()
+            await first
+            await asyncio.sleep(0.05)
+        finally:
+            worker.shutdown()
+        return batcher, verifier
+
+    batcher, verifier = asyncio.run(run())
+    assert batcher.batched_calls == 1
+    assert verifier.store.peek("b").tokens == HISTORIES["b"]  # untouched
+
+
+def test_concurrent_requests_on_a_batching_target_equal_the_target_alone(tiny_models):
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], target_batch=4)
+    prompts = [[(13 * i + j) % 120 + 1 for j in range(10 + i)] for i in range(4)]
+    results = [None] * len(prompts)
+    try:
+        def one(i):
+            with cluster.client() as client:
+                results[i] = client.generate(prompt_ids=prompts[i], max_tokens=40, num_draft_tokens=2)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        stats = cluster.target.counts()
+    finally:
+        cluster.stop()
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 40)
+    assert stats["batched_verifies"] > stats["verify_batches"] > 0  # some forwards held several sessions
+
+
+def test_the_batch_probe_runs_both_sides_and_gets_the_same_replies(char_models, tmp_path):
+    """bench.batch_probe on the tiny pair: real processes, two deployments."""
+    import json
+
+    from bench.batch_probe import main
+
+    out = tmp_path / "batch_probe.json"
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--clients", "1,3", "--prompts", "code-1,code-2,prose-1", "--new-tokens", "12", "--reps", "1",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["identical_rounds"] == result["rounds"] == 2
+    for side in ("batched", "unbatched"):
+        assert all(result["modes"][side][c]["tok_s"] > 0 for c in ("1", "3"))
+    assert result["modes"]["unbatched"]["3"]["verifies_per_batch"] == 0
