@@ -185,6 +185,9 @@ class ModelServiceBase:
             prefill_tokens=self.prefill_tokens,
             calls=self.calls,
             queue_depth=self.worker.queue_depth,
+            forks=counters.forks,
+            verify_batches=0,
+            batched_verifies=0,
         )
 
     def _store_counts(self) -> dict[str, int]:

@@ -167,6 +167,7 @@ class CacheCounters:
     evictions: int = 0
     misses: int = 0
     hits: int = 0
+    forks: int = 0  # ForkSession calls that copied a prefix
 
 
 class SessionCacheStore:
@@ -225,6 +226,7 @@ class SessionCacheStore:
         if prefix_len < 1 or source is None or not source.matches(prefix_len, prefix_fp):
             return False
         self._sessions[session_id] = source.fork(prefix_len)
+        self.counters.forks += 1
         self.enforce_budget(keep=session_id)
         return True
 

@@ -287,7 +287,7 @@ def test_a_prompt_that_shares_the_beginning_of_a_conversation_starts_from_a_copy
     assert follow_up.token_ids == reference_greedy(tiny_models["target"], own + first.token_ids + NEW, 10)
     for before, after in zip(stats_before, [_stats(cluster.draft_address, draft_pb2_grpc.DraftServiceStub),
                                             _stats(cluster.target_address, target_pb2_grpc.TargetServiceStub)]):
-        assert after.cache_misses == before.cache_misses
+        assert after.cache_misses == before.cache_misses and after.forks == before.forks + 1
 
 
 def _stats(address, stub_class):
