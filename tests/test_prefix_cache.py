@@ -369,3 +369,30 @@ def test_fork_session_refuses_bad_input_with_invalid_argument(cluster):
             missing = stub.ForkSession(common_pb2.ForkSessionRequest(
                 source_session_id="no-such-session", session_id="b", prefix=common_pb2.PrefixRef(length=3)))
             assert not missing.forked
+
+
+def test_a_kept_conversation_that_started_from_a_parked_session_continues_with_chat(char_models):
+    """Generate(messages, keep_session) takes over the session the conversation's
+    last stateless turn parked; Chat then continues it exactly as it continues
+    one that prefilled everything (the same cluster with the cache off)."""
+    system = {"role": "system", "content": "Answer in one line."}
+    replies = {}
+    for sessions in (32, 0):
+        cluster = Cluster(char_models["target"], char_models["draft"],
+                          prefix_cache=PrefixCacheConfig(sessions=sessions))
+        try:
+            with cluster.client() as client:
+                messages = [system, {"role": "user", "content": "name a color"}]
+                first = client.generate(messages=messages, max_tokens=16)
+                messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "another"}]
+                kept = client.generate(messages=messages, max_tokens=16, keep_session=True)
+                follow = client.chat(kept.session_id, "and one more", max_tokens=16)
+                assert client.delete_session(kept.session_id)
+            replies[sessions] = (first.token_ids, kept.token_ids, follow.token_ids, kept.cached_prompt_tokens,
+                                 follow.stats.target_prefill_tokens)
+        finally:
+            cluster.stop()
+    on, off = replies[32], replies[0]
+    assert on[:3] == off[:3]
+    assert on[3] >= len(on[0]) and off[3] == 0
+    assert on[4] == off[4]  # Chat prefilled only its new turn either way
