@@ -31,6 +31,22 @@ class PrefixCacheConfig:
 
 
 @dataclass(frozen=True)
+class QuotaConfig:
+    """Per-tenant quotas, across replicas (orchestrator.quotas)."""
+
+    max_requests: int = 0  # Generate and Chat streams a tenant runs at once; 0 = no limit
+    tokens_per_minute: int = 0  # tokens a tenant commits a minute (prompts and generated); 0 = no limit
+
+    def __post_init__(self):
+        if self.max_requests < 0 or self.tokens_per_minute < 0:
+            raise ValueError("tenant quotas must be >= 0 (0: no limit)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.max_requests or self.tokens_per_minute)
+
+
+@dataclass(frozen=True)
 class OrchestratorConfig:
     draft_address: str
     target_address: str
@@ -69,6 +85,7 @@ class OrchestratorConfig:
     # one of the keys (orchestrator.auth), which names its tenant. "" = none:
     # the x-tandem-tenant metadata is trusted as it is.
     api_keys_file: str = ""
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:

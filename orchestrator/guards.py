@@ -8,6 +8,7 @@ import inspect
 
 import grpc
 
+from orchestrator.quotas import QuotaExceeded
 from orchestrator.store import STORE_UNAVAILABLE
 from tandem import telemetry
 
@@ -48,7 +49,7 @@ def admitted(rpc):
     async def limited(self, request, context):
         limit = self.config.max_concurrent_requests
         if limit and self.active_requests >= limit:
-            telemetry.instruments().rejected_requests.add(1)
+            telemetry.instruments().rejected_requests.add(1, {"limit": "server"})
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the orchestrator is serving its limit of {limit} concurrent requests "
                                 "(--max-concurrent-requests); retry later")
@@ -59,4 +60,25 @@ def admitted(rpc):
                     yield event
         finally:
             self.active_requests -= 1
+    return limited
+
+
+def tenant_quota(rpc):
+    """A streaming rpc that holds a place in its tenant's quotas
+    (orchestrator.quotas, --tenant-max-requests and --tenant-tokens-per-minute)
+    while it runs; without room it ends at once with RESOURCE_EXHAUSTED and
+    words, before it touches a session."""
+    @functools.wraps(rpc)
+    async def limited(self, request, context):
+        async with contextlib.AsyncExitStack() as held:
+            if self.quotas is not None:
+                tenant = await self._tenant(context)
+                try:
+                    await held.enter_async_context(self.quotas.admit(tenant))
+                except QuotaExceeded as err:
+                    telemetry.instruments().rejected_requests.add(1, {"limit": "tenant"})
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            async with contextlib.aclosing(rpc(self, request, context)) as events:
+                async for event in events:
+                    yield event
     return limited

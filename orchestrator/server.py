@@ -12,8 +12,9 @@ from orchestrator.auth import ApiKeys, call_tenant
 from orchestrator.backends import GrpcProposer, GrpcVerifier, Prefix, ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import MAX_TREE_WIDTH, OrchestratorConfig
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
-from orchestrator.guards import admitted, store_unavailable
+from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
+from orchestrator.quotas import TenantQuotas
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
@@ -37,7 +38,9 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s, config.service_transport)
         self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s, config.service_transport,
                                      relay_to=(config.relay_address or config.draft_address) if config.relay else "")
-        self.store = SessionStore(config.redis_url, config.session_ttl_s)
+        self.store = SessionStore(config.redis_url, config.session_ttl_s,
+                                  count_usage=config.quotas.tokens_per_minute > 0)
+        self.quotas = TenantQuotas(self.store.redis, config.quotas) if config.quotas.enabled else None
         self.api_keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
         self.prefix_cache = (PrefixCache(self.store, config.prefix_cache, f"{config.draft_address} {config.target_address}",
                                          self._release, self._fork) if config.prefix_cache.enabled else None)
@@ -221,6 +224,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
     # --- rpcs ----------------------------------------------------------------------
     @admitted
     @store_unavailable
+    @tenant_quota
     async def Generate(self, request, context):
         tenant = await self._tenant(context)
         generation = await self._ready(context)
@@ -267,6 +271,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
 
     @admitted
     @store_unavailable
+    @tenant_quota
     async def Chat(self, request, context):
         tenant = await self._tenant(context)
         generation = await self._ready(context)

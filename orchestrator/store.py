@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as redis
 from redis import exceptions as redis_errors
 
+from orchestrator.quotas import usage_key
+
 # Writes to a session that is still there: a session deleted (or expired)
 # during a generation is not re-created by its last writes. KEYS: the hash,
 # its token list, the owner key.
@@ -24,9 +26,14 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 2, #ARGV, 4096 do
   redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 4095, #ARGV)))
 end
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[1]) end
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+if KEYS[4] then
+  redis.call('INCRBY', KEYS[4], #ARGV - 1)
+  redis.call('EXPIRE', KEYS[4], 120)
+end
 return 1
-"""  # ARGV: ttl, then the tokens (pushed 4096 at a time: Lua's unpack has a limit)
+"""  # ARGV: ttl, then the tokens (pushed 4096 at a time: Lua's unpack has a limit). KEYS[4], if
+# given: the tenant's token counter of this minute (orchestrator.quotas), raised by the tokens.
 _SAVE_META = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
@@ -66,10 +73,11 @@ class SessionRecord:
 
 
 class SessionStore:
-    def __init__(self, url: str, default_ttl_s: int = 3600, lock_s: int = 600):
+    def __init__(self, url: str, default_ttl_s: int = 3600, lock_s: int = 600, count_usage: bool = False):
         self.redis = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
         self.default_ttl_s = default_ttl_s
         self.lock_s = lock_s
+        self.count_usage = count_usage  # count committed tokens per tenant and minute (quotas)
         self._append = self.redis.register_script(_APPEND)
         self._save_meta = self.redis.register_script(_SAVE_META)
 
@@ -132,7 +140,8 @@ class SessionStore:
         meanwhile (nothing is written then), SessionBusy if the lock was lost."""
         if record.lock is not None:
             await record.lock.keep()
-        if not await self._append(keys=self._keys(record), args=[record.ttl_s, *tokens]):
+        keys = self._keys(record) + ([usage_key(record.tenant)] if self.count_usage else [])
+        if not await self._append(keys=keys, args=[record.ttl_s, *tokens]):
             raise SessionNotFound(f"session {record.session_id!r} was deleted or expired during this request")
         record.tokens.extend(tokens)
 

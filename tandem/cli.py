@@ -262,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "most N parked sessions, the oldest dropped first; 0 = off (default: %(default)s)")
     orch.add_argument("--prefix-cache-ttl", type=_int_in(1, 10_000_000), default=600, metavar="SECONDS",
                       help="how long a session stays parked for --prefix-cache (default: %(default)s)")
+    orch.add_argument("--tenant-max-requests", type=_int_in(0, 1_000_000), default=0, metavar="N",
+                      help="Generate and Chat requests each tenant may run at once, counted in Redis across "
+                           "every orchestrator replica; more are refused with RESOURCE_EXHAUSTED (HTTP 429); "
+                           "0 = no limit (default: %(default)s)")
+    orch.add_argument("--tenant-tokens-per-minute", type=_int_in(0, 10**12), default=0, metavar="N",
+                      help="tokens each tenant may commit a minute (prompts as prefilled, and generated tokens; "
+                           "a prefix reused by --prefix-cache is free), across replicas; a request whose tenant "
+                           "is past it is refused with RESOURCE_EXHAUSTED and the seconds to wait, one admitted "
+                           "runs to its end; 0 = no limit (default: %(default)s)")
     orch.add_argument("--api-keys", default=os.environ.get("TANDEM_API_KEYS_FILE", ""), metavar="FILE",
                       help="require an API key on every call that touches sessions (gRPC metadata "
                            "'authorization: Bearer KEY'; HTTP: the Authorization header): FILE has one "
@@ -330,7 +339,7 @@ def _serve(args) -> None:
     async def build():
         if args.role == "orchestrator":
             # The flags are checked before orchestrator.server brings in torch and transformers (seconds).
-            from orchestrator.config import OrchestratorConfig, PrefixCacheConfig
+            from orchestrator.config import OrchestratorConfig, PrefixCacheConfig, QuotaConfig
             from orchestrator.policy import KPolicyConfig
 
             config = OrchestratorConfig(
@@ -344,6 +353,8 @@ def _serve(args) -> None:
                 relay=args.relay == "on", relay_address=args.relay_address, tree_width=args.tree_width,
                 prefix_cache=PrefixCacheConfig(sessions=args.prefix_cache, ttl_s=args.prefix_cache_ttl),
                 api_keys_file=args.api_keys,
+                quotas=QuotaConfig(max_requests=args.tenant_max_requests,
+                                   tokens_per_minute=args.tenant_tokens_per_minute),
             )
             _keep_torch_out()
             from orchestrator.server import build_server

@@ -91,7 +91,8 @@ class Instruments:
         # orchestrator: counters first (DESIGN §6), fed once per request from its RoundStats
         self.requests = counter("tandem.requests", "{request}", "requests finished, by finish_reason")
         self.rejected_requests = counter("tandem.requests.rejected", "{request}",
-                                         "requests refused with RESOURCE_EXHAUSTED at --max-concurrent-requests")
+                                         "requests refused with RESOURCE_EXHAUSTED, by limit: server "
+                                         "(--max-concurrent-requests) or tenant (its quotas)")
         self.completion_tokens = counter("tandem.completion_tokens", "{token}", "tokens streamed to clients")
         self.prompt_tokens = counter("tandem.prompt_tokens", "{token}", "tokens of prompts and new chat turns")
         self.cached_prompt_tokens = counter("tandem.prompt_tokens.cached", "{token}", (

@@ -96,7 +96,8 @@ class Cluster:
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
-                 target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int = 1):
+                 target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int = 1,
+                 quotas=None):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
@@ -115,7 +116,8 @@ class Cluster:
                            prefill_overlap=prefill_overlap, target_linear=target_linear,
                            inline_compute=inline_compute, relay=relay, relay_address=relay_address,
                            tree_width=tree_width, target_graphs=target_graphs, prefix_cache=prefix_cache,
-                           api_keys_file=api_keys_file, target_batch=target_batch)
+                           api_keys_file=api_keys_file, target_batch=target_batch,
+                           quotas=quotas)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -124,7 +126,7 @@ class Cluster:
     async def _start(self):
         from draft_service.server import DraftOptions, build_server as build_draft
         from orchestrator.policy import KPolicyConfig
-        from orchestrator.config import PrefixCacheConfig
+        from orchestrator.config import PrefixCacheConfig, QuotaConfig
         from orchestrator.server import OrchestratorConfig, build_server as build_orch
         from target_service.server import build_server as build_target
 
@@ -150,6 +152,7 @@ class Cluster:
             tokenizer=p["tokenizer"], prefill_overlap=p["prefill_overlap"], relay=p["relay"],
             relay_address=p["relay_address"], tree_width=p["tree_width"],
             prefix_cache=p["prefix_cache"] or PrefixCacheConfig(), api_keys_file=p["api_keys_file"],
+            quotas=p["quotas"] or QuotaConfig(),
         )
         orch, orch_port, _, self.orchestrator = build_orch("127.0.0.1:0", config)
         await orch.start()
