@@ -73,6 +73,19 @@ def _store_and_cache(sessions=4, ttl_s=600, fork_answers=True):
     return store, cache, released
 
 
+def _scenario(scenario, **cache_args):
+    """Runs scenario(store, cache, released, tenant) on a PrefixCache of the real
+    Redis (_store_and_cache), for a tenant of its own."""
+    async def run():
+        store, cache, released = _store_and_cache(**cache_args)
+        try:
+            await scenario(store, cache, released, f"t-{uuid.uuid4().hex[:8]}")
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
 async def _parked(store, cache, tenant, tokens):
     record = await store.create(tenant)
     await store.append_tokens(record, tokens)
@@ -81,9 +94,7 @@ async def _parked(store, cache, tenant, tokens):
 
 
 def test_take_cuts_the_parked_tokens_to_the_common_prefix_and_hides_parked_sessions():
-    async def run():
-        store, cache, _ = _store_and_cache()
-        tenant = f"t-{uuid.uuid4().hex[:8]}"
+    async def scenario(store, cache, released, tenant):
         parked = await _parked(store, cache, tenant, PROMPT + [1, 2, 3])
         with pytest.raises(SessionNotFound):  # parked: no client call reaches it
             await store.load(tenant, parked.session_id)
@@ -99,32 +110,26 @@ def test_take_cuts_the_parked_tokens_to_the_common_prefix_and_hides_parked_sessi
         assert await cache.take(tenant, prompt) is None  # taken: nobody else gets it
         assert (await store.load(tenant, record.session_id)).tokens == prompt[:cached]  # the owner's again
         await store.delete(tenant, record.session_id)
-        await store.close()
 
-    asyncio.run(run())
+    _scenario(scenario)
 
 
 def test_the_whole_prompt_is_never_reused():
     """The turn keeps the prompt's last token: it has to be fed to be decoded after."""
-    async def run():
-        store, cache, _ = _store_and_cache()
-        tenant = f"t-{uuid.uuid4().hex[:8]}"
+    async def scenario(store, cache, released, tenant):
         await _parked(store, cache, tenant, PROMPT)
         record, cached = await cache.take(tenant, PROMPT)
         assert cached == len(PROMPT) - 1 and record.tokens == PROMPT[:-1]
         await store.delete(tenant, record.session_id)
-        await store.close()
 
-    asyncio.run(run())
+    _scenario(scenario)
 
 
 def test_a_shorter_common_prefix_is_copied_and_the_parked_session_stays():
     """Less than half the parked tokens in common, but MIN_FORK or more: the
     request gets a new session with a copy of the prefix's caches, and the
     parked session is still there for its own conversation."""
-    async def run():
-        store, cache, _ = _store_and_cache()
-        tenant = f"t-{uuid.uuid4().hex[:8]}"
+    async def scenario(store, cache, released, tenant):
         conversation = PROMPT + list(range(1, 61))  # 100 tokens
         parked = await _parked(store, cache, tenant, conversation)
         prompt = PROMPT[:36] + NEW
@@ -137,55 +142,43 @@ def test_a_shorter_common_prefix_is_copied_and_the_parked_session_stays():
         assert taken.cache_id == parked.session_id and cached == len(conversation)
         for session in (record, taken):
             await store.delete(tenant, session.session_id)
-        await store.close()
 
-    asyncio.run(run())
+    _scenario(scenario)
 
 
 def test_a_copy_the_services_cannot_make_leaves_nothing_behind():
-    async def run():
-        store, cache, _ = _store_and_cache(fork_answers=False)
-        tenant = f"t-{uuid.uuid4().hex[:8]}"
+    async def scenario(store, cache, released, tenant):
         parked = await _parked(store, cache, tenant, PROMPT + list(range(1, 61)))
         assert await cache.take(tenant, PROMPT[:36] + NEW) is None
         assert len(cache.forks) == 1
         keys = {key.decode() for key in await store.redis.keys(f"tandem:{tenant}:session:*")}
         assert keys == {SessionStore._key(tenant, parked.session_id) + suffix for suffix in ("", ":tokens")}
-        await store.close()
 
-    asyncio.run(run())
+    _scenario(scenario, fork_answers=False)
 
 
 def test_a_common_prefix_shorter_than_min_fork_is_not_copied():
-    async def run():
-        store, cache, _ = _store_and_cache()
-        tenant = f"t-{uuid.uuid4().hex[:8]}"
+    async def scenario(store, cache, released, tenant):
         await _parked(store, cache, tenant, PROMPT + list(range(1, 61)))
         assert await cache.take(tenant, PROMPT[:MIN_FORK - 1] + NEW) is None
         assert cache.forks == []
-        await store.close()
 
-    asyncio.run(run())
+    _scenario(scenario)
 
 
 def test_only_one_of_two_concurrent_requests_takes_a_parked_session():
-    async def run():
-        store, cache, _ = _store_and_cache()
-        tenant = f"t-{uuid.uuid4().hex[:8]}"
+    async def scenario(store, cache, released, tenant):
         await _parked(store, cache, tenant, PROMPT)
         results = await asyncio.gather(*(cache.take(tenant, PROMPT + NEW) for _ in range(4)))
         taken = [r for r in results if r is not None]
         assert len(taken) == 1
         await store.delete(tenant, taken[0][0].session_id)
-        await store.close()
 
-    asyncio.run(run())
+    _scenario(scenario)
 
 
 def test_parked_sessions_over_the_limit_go_oldest_first_in_redis_and_on_the_services():
-    async def run():
-        store, cache, released = _store_and_cache(sessions=2)
-        tenant = f"t-{uuid.uuid4().hex[:8]}"
+    async def scenario(store, cache, released, tenant):
         first = await _parked(store, cache, tenant, PROMPT)
         await asyncio.sleep(0.002)
         second = await _parked(store, cache, tenant, [5] * 40)
@@ -199,23 +192,19 @@ def test_parked_sessions_over_the_limit_go_oldest_first_in_redis_and_on_the_serv
             taken, cached = await cache.take(tenant, tokens + NEW)
             assert taken.cache_id == record.session_id and cached == 40
             await store.delete(tenant, taken.session_id)
-        await store.close()
 
-    asyncio.run(run())
+    _scenario(scenario, sessions=2)
 
 
 def test_parked_sessions_past_their_ttl_are_dropped():
-    async def run():
-        store, cache, released = _store_and_cache(ttl_s=1)
-        tenant = f"t-{uuid.uuid4().hex[:8]}"
+    async def scenario(store, cache, released, tenant):
         old = await _parked(store, cache, tenant, PROMPT)
         await asyncio.sleep(1.1)
         await _parked(store, cache, tenant, [5] * 40)  # parking sweeps the parked set
         assert released == [old.session_id]
         assert await cache.take(tenant, PROMPT + NEW) is None
-        await store.close()
 
-    asyncio.run(run())
+    _scenario(scenario, ttl_s=1)
 
 
 # --- end to end: real services over gRPC, real Redis -------------------------------
