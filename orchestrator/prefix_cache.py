@@ -182,7 +182,7 @@ class PrefixCache:
         services from a parked session's, which stays parked; None when a
         service no longer holds them."""
         record = await self.store.create(tenant, ttl_s=ttl_s)
-        await self.store.append_tokens(record, prefix)
+        await self.store.append_tokens(record, prefix, count=False)  # reused: not the tenant's usage
         if not await self.fork(source_cache_id, record.cache_id, len(prefix), fingerprint.of(prefix)):
             await self.store.delete(tenant, record.session_id)
             return None

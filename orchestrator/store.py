@@ -134,13 +134,14 @@ class SessionStore:
         key = self._key(record.tenant, record.session_id)
         return [key, f"{key}:tokens", f"tandem:owner:{record.session_id}"]
 
-    async def append_tokens(self, record: SessionRecord, tokens: list[int]) -> None:
+    async def append_tokens(self, record: SessionRecord, tokens: list[int], count: bool = True) -> None:
         """Commits tokens (one round trip) and refreshes the TTL; keeps the
-        request's lock alive. Raises SessionNotFound if the session was deleted
+        request's lock alive; with count_usage, counts them against the
+        tenant's minute unless `count` is false. Raises SessionNotFound if the session was deleted
         meanwhile (nothing is written then), SessionBusy if the lock was lost."""
         if record.lock is not None:
             await record.lock.keep()
-        keys = self._keys(record) + ([usage_key(record.tenant)] if self.count_usage else [])
+        keys = self._keys(record) + ([usage_key(record.tenant)] if self.count_usage and count else [])
         if not await self._append(keys=keys, args=[record.ttl_s, *tokens]):
             raise SessionNotFound(f"session {record.session_id!r} was deleted or expired during this request")
         record.tokens.extend(tokens)

@@ -101,3 +101,25 @@ def test_a_tenant_at_its_running_limit_is_refused_and_others_are_served(tiny_mod
             assert len(client.generate(prompt_ids=PROMPT, max_tokens=4).token_ids) == 4
     finally:
         cluster.stop()
+
+
+def test_a_prefix_reused_from_a_parked_session_is_not_counted(tiny_models):
+    """Taken over or copied (--prefix-cache), the reused tokens are free: a
+    request counts its prompt's other tokens and what it generates."""
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], quotas=QuotaConfig(tokens_per_minute=100_000))
+    tenant = _tenant()
+    store = redis.Redis.from_url(REDIS_URL)
+    own = [(3 * i + 1) % 120 + 1 for i in range(40)]
+    try:
+        if time.time() % 60 > 50:  # keep the requests in one minute's window
+            time.sleep(61 - time.time() % 60)
+        with cluster.client(tenant=tenant) as client:
+            first = client.generate(prompt_ids=own, max_tokens=60)
+            for prompt in (own[:36] + [7, 8, 9], own + first.token_ids + [4, 5, 6]):  # a copy, then a take-over
+                before = int(store.get(usage_key(tenant)))
+                result = client.generate(prompt_ids=prompt, max_tokens=5)
+                assert result.cached_prompt_tokens > 0
+                assert int(store.get(usage_key(tenant))) - before == (
+                    len(prompt) - result.cached_prompt_tokens + len(result.token_ids))
+    finally:
+        cluster.stop()
