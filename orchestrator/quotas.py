@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 
+from redis import exceptions as redis_errors
+
 from orchestrator.config import QuotaConfig
 
+log = logging.getLogger(__name__)
 LEASE_S = 120  # a running request's lease; renewed every third of it
 
 # KEYS: the tenant's running set. ARGV: now, the lease's expiry, the limit, the request id.
@@ -77,9 +81,15 @@ class TenantQuotas:
             await asyncio.shield(self.redis.zrem(key, request_id))
 
     async def _renew(self, key: str, request_id: str) -> None:
+        """Keeps the lease while the request runs. Redis failing here costs the
+        lease at worst (the tenant may then run one request more); the request
+        itself goes on, and fails on its own if Redis stays down."""
         while True:
             await asyncio.sleep(self.lease_s / 3)
-            await self.redis.zadd(key, {request_id: time.time() + self.lease_s}, xx=True)
+            try:
+                await self.redis.zadd(key, {request_id: time.time() + self.lease_s}, xx=True)
+            except redis_errors.RedisError as err:
+                log.warning("could not renew a request's lease in %s: %s", key, err)
 
     async def _check_tokens(self, tenant: str) -> None:
         limit = self.config.tokens_per_minute

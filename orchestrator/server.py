@@ -327,6 +327,10 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             tree_width=self.generation.config.tree_width,
             has_tokenizer=self.tokenizer is not None,
             prefill_overlap=self.generation.prefill_overlap(),
+            api_keys_required=self.api_keys is not None,
+            prefix_cache_sessions=self.config.prefix_cache.sessions,
+            tenant_max_requests=self.config.quotas.max_requests,
+            tenant_tokens_per_minute=self.config.quotas.tokens_per_minute,
         )
 
     # --- helpers ---------------------------------------------------------------------

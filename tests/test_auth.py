@@ -67,7 +67,8 @@ def test_a_call_without_a_valid_key_is_unauthenticated(secured):
                          lambda: client.delete_session("some-session")):
                 code, details = _code(call)
                 assert code == grpc.StatusCode.UNAUTHENTICATED and words in details
-            assert client.server_info().target_model  # the model pair's names need no key
+            info = client.server_info()  # the model pair's names need no key
+            assert info.target_model and info.api_keys_required
 
 
 def test_the_key_decides_the_tenant(secured, char_models):

@@ -89,6 +89,9 @@ def test_a_tenant_at_its_running_limit_is_refused_and_others_are_served(tiny_mod
     tenant, other = _tenant(), _tenant()
     try:
         with cluster.client(tenant=tenant) as client, cluster.client(tenant=other) as stranger:
+            info = client.server_info()
+            assert (info.tenant_max_requests, info.tenant_tokens_per_minute) == (1, 0)
+            assert info.prefix_cache_sessions == 32 and not info.api_keys_required
             held = client.generate_stream(prompt_ids=PROMPT, max_tokens=300, num_draft_tokens=1)
             assert next(held).HasField("delta")  # the tenant's one place is taken
             with pytest.raises(grpc.RpcError) as caught:
