@@ -130,7 +130,7 @@ class Generation:
         pipeline = self.pipeline_for(params)
         committed = Committed(record.tokens)
         decoder = Decoder(
-            self.proposer, self.verifier, record.cache_id or record.session_id, committed,
+            self.proposer, self.verifier, record.cache_id, committed,
             ServiceView(record.draft_len), ServiceView(record.target_len),
             params.sampling, self.policy_for(params, pipeline), pipeline,
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,

@@ -30,7 +30,7 @@ import uuid
 from array import array
 
 from orchestrator.config import PrefixCacheConfig
-from orchestrator.store import SessionRecord, SessionStore
+from orchestrator.store import SessionRecord, SessionStore, stored_cache_id
 from tandem import fingerprint
 
 BLOCK = 16  # tokens a digest covers more than the one before it
@@ -121,10 +121,6 @@ class PrefixCache:
     def _index_key(self, tenant: str, digest: str) -> str:
         return f"tandem:{tenant}:prefix:{self.namespace}:{digest}"
 
-    def _session_keys(self, tenant: str, session_id: str) -> list[str]:
-        key = SessionStore._key(tenant, session_id)
-        return [key, f"{key}:tokens", f"tandem:owner:{session_id}"]
-
     async def take(self, tenant: str, prompt: list[int], ttl_s: int = 0) -> tuple[SessionRecord, int] | None:
         """A session for `prompt` that holds its longest prefix found among
         the parked sessions of `tenant` (short of the prompt's last token, which
@@ -169,10 +165,10 @@ class PrefixCache:
         if not worth_taking(common, len(tokens)):
             if common < MIN_FORK:
                 return None
-            return await self._copy(tenant, (cache_id or b"").decode() or session_id, tokens[:common], ttl_s)
+            return await self._copy(tenant, stored_cache_id(cache_id, session_id), tokens[:common], ttl_s)
         new_id = uuid.uuid4().hex
-        if not await self._claim(keys=[self.parked_key, *self._session_keys(tenant, session_id)[:2],
-                                       *self._session_keys(tenant, new_id)],
+        if not await self._claim(keys=[self.parked_key, *SessionStore.keys(tenant, session_id)[:2],
+                                       *SessionStore.keys(tenant, new_id)],
                                  args=[member, int(parked_at), tenant, common, ttl_s, session_id]):
             return None
         return await self.store.load(tenant, new_id), common
@@ -197,7 +193,7 @@ class PrefixCache:
         now_ms = int(time.time() * 1e3)
         member = f"{record.session_id} {record.tenant}"
         ttl = self.config.ttl_s
-        if not await self._park(keys=[*self._session_keys(record.tenant, record.session_id), self.parked_key],
+        if not await self._park(keys=[*SessionStore.keys(record.tenant, record.session_id), self.parked_key],
                                 args=[member, now_ms, ttl]):
             return False
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -219,9 +215,9 @@ class PrefixCache:
 
     async def drop(self, tenant: str, session_id: str) -> None:
         """Deletes a session that is no longer parked, in Redis and on both services."""
-        keys = self._session_keys(tenant, session_id)[:2]
+        keys = SessionStore.keys(tenant, session_id)[:2]
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hget(keys[0], "cache_id")
             pipe.delete(*keys)
             cache_id, _ = await pipe.execute()
-        await self.release((cache_id or b"").decode() or session_id)
+        await self.release(stored_cache_id(cache_id, session_id))

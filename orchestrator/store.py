@@ -71,6 +71,15 @@ class SessionRecord:
     cache_id: str = ""
     lock: "_SessionLock | None" = field(default=None, repr=False, compare=False)  # while a request holds it
 
+    def __post_init__(self):
+        self.cache_id = self.cache_id or self.session_id
+
+
+def stored_cache_id(raw: bytes | None, session_id: str) -> str:
+    """A session's cache id from its hash's cache_id field (HGET), which only a
+    session that took over another's caches has."""
+    return (raw or b"").decode() or session_id
+
 
 class SessionStore:
     def __init__(self, url: str, default_ttl_s: int = 3600, lock_s: int = 600, count_usage: bool = False):
@@ -100,8 +109,7 @@ class SessionStore:
             pipe.expire(key, ttl)
             pipe.set(f"tandem:owner:{session_id}", tenant, ex=ttl)
             await pipe.execute()
-        return SessionRecord(session_id=session_id, tenant=tenant, tokens=[], messages=list(messages or []), ttl_s=ttl,
-                             cache_id=session_id)
+        return SessionRecord(session_id=session_id, tenant=tenant, tokens=[], messages=list(messages or []), ttl_s=ttl)
 
     async def _check_owner(self, tenant: str, session_id: str) -> None:
         owner = await self.redis.get(f"tandem:owner:{session_id}")
@@ -127,12 +135,17 @@ class SessionStore:
             draft_len=int(meta[b"draft_len"]),
             target_len=int(meta[b"target_len"]),
             ttl_s=int(meta[b"ttl"]),
-            cache_id=meta.get(b"cache_id", b"").decode() or session_id,
+            cache_id=stored_cache_id(meta.get(b"cache_id"), session_id),
         )
 
+    @classmethod
+    def keys(cls, tenant: str, session_id: str) -> list[str]:
+        """A session's hash, its token list, and its owner key."""
+        key = cls._key(tenant, session_id)
+        return [key, f"{key}:tokens", f"tandem:owner:{session_id}"]
+
     def _keys(self, record: SessionRecord) -> list[str]:
-        key = self._key(record.tenant, record.session_id)
-        return [key, f"{key}:tokens", f"tandem:owner:{record.session_id}"]
+        return self.keys(record.tenant, record.session_id)
 
     async def append_tokens(self, record: SessionRecord, tokens: list[int], count: bool = True) -> None:
         """Commits tokens (one round trip) and refreshes the TTL; keeps the
@@ -171,7 +184,7 @@ class SessionStore:
             pipe.hget(key, "cache_id")
             pipe.delete(key, f"{key}:tokens", f"tandem:owner:{session_id}")
             cache_id, removed = await pipe.execute()
-        return removed > 0, (cache_id or b"").decode() or session_id
+        return removed > 0, stored_cache_id(cache_id, session_id)
 
     def lock(self, record: SessionRecord):
         """One request at a time per session (across orchestrator replicas). The

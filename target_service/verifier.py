@@ -76,7 +76,7 @@ class Verifier:
         to verify as a tree runs alone after the batch."""
         batch_forward = getattr(self.runner, "forward_batch", None)
         if len(calls) == 1 or batch_forward is None:
-            return [self._outcome_or_error(self.verify, call) for call in calls]
+            return [self._verify_or_error(call) for call in calls]
         start = time.perf_counter()
         results: list[VerifyOutcome | Exception | None] = [None] * len(calls)
         joined = []  # (index, cache, cropped, first draft position)
@@ -111,13 +111,12 @@ class Verifier:
                                                compute_ms=compute_ms, more_tokens=verdict.more_tokens)
         for index, call in enumerate(calls):
             if results[index] is None:
-                results[index] = self._outcome_or_error(self.verify, call)
+                results[index] = self._verify_or_error(call)
         return results
 
-    @staticmethod
-    def _outcome_or_error(fn, call):
+    def _verify_or_error(self, call: VerifyCall) -> VerifyOutcome | Exception:
         try:
-            return fn(call)
+            return self.verify(call)
         except Exception as err:
             return err
 
