@@ -12,6 +12,7 @@ import grpc
 
 from orchestrator.config import TRANSPORTS
 from tandem import multiplex, serving, telemetry
+from tandem.logprobs import TokenLogprobs
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire import sampling_to_proto
@@ -76,6 +77,7 @@ class VerifyResult:
     compute_ms: float = 0.0
     handler_ms: float = 0.0  # in the service's handler, compute included (0: not reported)
     latency_ms: float = 0.0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one for each committed token, when asked
 
 
 class Proposer(Protocol):
@@ -95,9 +97,11 @@ class Verifier(Protocol):
     async def verify(
         self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
         sampling: SamplingParams, relay_k: int = 0, relay_all_accepted: bool = False,
-        relay_alternatives: bool = False,
+        relay_alternatives: bool = False, logprobs: int | None = None,
     ) -> VerifyResult:
-        """relay_k > 0, passed only to a verifier whose `relays` attribute is
+        """logprobs (passed only when set): the result also carries each
+        committed token's log probability and those of the `logprobs` most
+        likely tokens at its position (tandem.logprobs). relay_k > 0, passed only to a verifier whose `relays` attribute is
         true (absent: false): after a rejection, and after a whole block too
         if relay_all_accepted, the target also sends the draft the call that
         drafts relay_k tokens after its verdict (target_service.relay), asking
@@ -223,7 +227,7 @@ class GrpcVerifier(_GrpcClient):
         self.relays = bool(relay_to)
 
     async def verify(self, session_id, prefix, new_tokens, block, sampling, relay_k=0, relay_all_accepted=False,
-                     relay_alternatives=False):
+                     relay_alternatives=False, logprobs=None):
         request = target_pb2.VerifyRequest(
             session_id=session_id,
             prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
@@ -234,6 +238,8 @@ class GrpcVerifier(_GrpcClient):
             sampling=sampling_to_proto(sampling),
             alternative_positions=range(len(block.alternatives)),
             alternative_tokens=block.alternatives,
+            return_logprobs=logprobs is not None,
+            top_logprobs=logprobs or 0,
         )
         if relay_k and self.relay_to:
             request.relay.draft_address = self.relay_to
@@ -251,4 +257,5 @@ class GrpcVerifier(_GrpcClient):
             compute_ms=reply.compute_ms,
             handler_ms=reply.handler_ms,
             latency_ms=(time.perf_counter() - start) * 1e3,
+            logprobs=[TokenLogprobs(lp.logprob, tuple(lp.top_tokens), tuple(lp.top_logprobs)) for lp in reply.logprobs],
         )

@@ -44,6 +44,7 @@ class Decoder:
         tree_width: int = 0,
         end: int = 1 << 30,
         end_ids: frozenset[int] = frozenset(),
+        logprobs: int | None = None,
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -72,6 +73,11 @@ class Decoder:
         # verify in flight, and the draft after that verify drafts it.
         self.relays = getattr(verifier, "relays", False)
         self.relay_k = 0
+        # None, or how many of the most likely tokens' log probabilities to
+        # report beside each committed token's: round_logprobs holds those of
+        # the tokens the last round yielded (tandem.logprobs).
+        self.logprobs = logprobs
+        self.round_logprobs: list = []
 
     # --- service calls, with re-sync on cache miss ------------------------------
     def _pending(self, view: ServiceView) -> int:
@@ -130,14 +136,17 @@ class Decoder:
 
     async def _verify(self, block: DraftBlock, round_span=telemetry.NO_SPAN, relay_k: int = 0,
                       relay_all_accepted: bool = False) -> VerifyResult:
-        relay = {"relay_k": relay_k, "relay_all_accepted": relay_all_accepted} if relay_k else {}
-        if relay and self.tree_width:
-            relay["relay_alternatives"] = True
+        # The keyword arguments beyond the call's own, named only when set.
+        extra = {"relay_k": relay_k, "relay_all_accepted": relay_all_accepted} if relay_k else {}
+        if extra and self.tree_width:
+            extra["relay_alternatives"] = True
+        if self.logprobs is not None:
+            extra["logprobs"] = self.logprobs
         sent = block.with_tree(self.tree_width)
         with telemetry.child_span("tandem.verify", round_span, telemetry.SpanKind.CLIENT) as span:
             result = await self._resynced(self.target_view, span, lambda base: self.verifier.verify(
                 self.session_id, self.committed.prefix(base), self.committed.tokens[base:], sent, self.sampling,
-                **relay))
+                **extra))
             if span.is_recording():
                 span.set_attributes({"tandem.k": len(block.tokens), "tandem.accepted": result.accepted,
                                      "tandem.prefilled": result.prefilled, "tandem.compute_ms": result.compute_ms})
@@ -224,6 +233,11 @@ class Decoder:
     # --- the rounds ---------------------------------------------------------
     def _commit(self, block: DraftBlock, result: VerifyResult) -> list[int]:
         newly = block.tokens[: result.accepted] + [result.next_token] + result.more_tokens
+        if self.logprobs is not None:
+            if len(result.logprobs) != len(newly):
+                raise RuntimeError(f"the target service returned {len(result.logprobs)} log probabilities for "
+                                   f"{len(newly)} committed tokens (a service older than the request?)")
+            self.round_logprobs = result.logprobs
         before = len(self.committed)
         self.committed.extend(newly)
         self.draft_view.settle(before, newly)

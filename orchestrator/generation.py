@@ -16,6 +16,7 @@ from orchestrator.rounds import Committed, RoundStats, ServiceView
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import Detokenizer, find_stop
 from tandem import telemetry
+from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling import SamplingParams
 from tandem.v1 import tandem_pb2
 
@@ -32,12 +33,15 @@ class RequestParams:
     k: int = 0  # 0 = the server's policy
     pipeline: bool | None = None  # None = the server's setting
     seeded: bool = False  # the client chose the seed: the run must be reproducible
+    logprobs: int | None = None  # None: none; n: each token's log probability and the n most likely tokens'
 
     def __post_init__(self):
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.k < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {self.k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,21 @@ class TurnOutcome:
     text: str = ""
 
 
-def _event_delta(ids: list[int], text: str) -> tandem_pb2.GenerateEvent:
-    return tandem_pb2.GenerateEvent(delta=tandem_pb2.TokenDelta(token_ids=ids, text=text))
+def _event_delta(ids: list[int], text: str, logprobs=()) -> tandem_pb2.GenerateEvent:
+    return tandem_pb2.GenerateEvent(delta=tandem_pb2.TokenDelta(token_ids=ids, text=text, logprobs=logprobs))
+
+
+def _token_logprobs(ids: list[int], logprobs, tokenizer) -> list[tandem_pb2.TokenLogprob]:
+    """TokenDelta.logprobs of `ids` from the verifies' TokenLogprobs, each
+    token decoded alone."""
+    def text(token: int) -> str:
+        return tokenizer.decode([token]) if tokenizer is not None else ""
+
+    return [tandem_pb2.TokenLogprob(
+        token_id=token, token=text(token), logprob=lp.logprob,
+        top_logprobs=[tandem_pb2.TopLogprob(token_id=t, token=text(t), logprob=v)
+                      for t, v in zip(lp.top_tokens, lp.top_logprobs)])
+        for token, lp in zip(ids, logprobs)]
 
 
 class Generation:
@@ -136,7 +153,7 @@ class Generation:
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
             self.breaker, self.prefill_overlap(params), self.config.tree_width,
             end=min(self.config.max_context, len(record.tokens) + params.max_tokens),
-            end_ids=frozenset(self.eos_ids),
+            end_ids=frozenset(self.eos_ids), logprobs=params.logprobs,
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)
@@ -162,7 +179,9 @@ class Generation:
                     text, streamed = visible[len(streamed):], visible
                     if not first_token_ms:
                         first_token_ms = (time.perf_counter() - started) * 1e3
-                    yield _event_delta(keep, text)
+                    logprobs = (() if params.logprobs is None
+                                else _token_logprobs(keep, decoder.round_logprobs, self.tokenizer))
+                    yield _event_delta(keep, text, logprobs)
                     metrics.streamed(len(keep), first_token_ms)
                 metrics.record_rounds(decoder.stats)  # while the next round's calls run
                 if finish != tandem_pb2.FINISH_REASON_UNSPECIFIED:

@@ -123,13 +123,14 @@ class Gateway:
             if call.stream:
                 answer = await self._stream(request, call, model, events)
             else:
-                text, ids = [], []
+                text, ids, logprobs = [], [], []
                 while (event := await anext(events, None)) is not None and event.HasField("delta"):
                     text.append(event.delta.text)
                     ids.extend(event.delta.token_ids)
+                    logprobs.extend(event.delta.logprobs)
                 if event is None:
                     raise ApiError(502, "the orchestrator ended the stream without a final event", "internal_error")
-                answer = web.json_response(response(call, model, "".join(text), ids, event.final))
+                answer = web.json_response(response(call, model, "".join(text), ids, event.final, logprobs))
             finished = True
             return answer
         finally:

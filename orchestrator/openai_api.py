@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.v1 import tandem_pb2
 
 UINT64_MAX = 2**64 - 1
@@ -48,8 +49,6 @@ UNSUPPORTED = {
     "frequency_penalty": ((0, 0.0), CHANGES_SAMPLING),
     "logit_bias": (({},), CHANGES_SAMPLING),
     "best_of": ((1,), CHANGES_SAMPLING),
-    "logprobs": ((False, 0), "the services return no log probabilities"),
-    "top_logprobs": ((0,), "the services return no log probabilities"),
     "echo": ((False,), "send the prompt back yourself"),
     "suffix": (("",), "there is no insertion mode"),
     "tools": (([],), "there is no tool calling"),
@@ -115,7 +114,27 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
-def _params(body: dict, max_tokens_names: tuple[str, ...]) -> tandem_pb2.GenerationParams:
+def _logprobs(body: dict, chat: bool, params: tandem_pb2.GenerationParams) -> None:
+    """OpenAI's log probabilities: a chat completion's "logprobs": true with
+    "top_logprobs": 0..20; a completion's "logprobs": 0..20, the top tokens
+    beside each token's own (OpenAI takes 0..5, vLLM up to 20)."""
+    if chat:
+        top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+        if not _flag(body, "logprobs"):
+            if top:
+                raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+            return
+    else:
+        if body.get("top_logprobs") is not None:
+            raise invalid("top_logprobs", "'top_logprobs' is a chat completion's: a completion takes 'logprobs': N")
+        top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+        if top is None:
+            return
+    params.logprobs = True
+    params.top_logprobs = top or 0
+
+
+def _params(body: dict, max_tokens_names: tuple[str, ...], chat: bool) -> tandem_pb2.GenerationParams:
     for name, (no_ops, why) in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in no_ops:
@@ -150,6 +169,7 @@ def _params(body: dict, max_tokens_names: tuple[str, ...]) -> tandem_pb2.Generat
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise invalid("stop", "'stop' must be a string or a list of strings")
         params.stop.extend(s for s in stop if s)
+    _logprobs(body, chat, params)
     return params
 
 
@@ -175,7 +195,7 @@ def completion_call(body) -> Call:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens",)))
+    request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens",), chat=False))
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -208,7 +228,7 @@ def chat_call(body) -> Call:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list")
-    request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens", "max_completion_tokens")))
+    request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens", "max_completion_tokens"), chat=True))
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise invalid(f"messages[{i}]", "each message must be an object with a 'role'")
@@ -232,9 +252,51 @@ def speculation(final: tandem_pb2.Completion) -> dict:
     return MessageToDict(final.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def response(call: Call, model: str, text: str, ids: list[int], final: tandem_pb2.Completion) -> dict:
-    """The whole answer of a request that did not stream."""
-    choice = {"index": 0, "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"), "logprobs": None}
+LOWEST_LOGPROB = -9999.0  # in place of -inf, which JSON cannot carry (as vLLM does)
+
+
+def _finite(value: float) -> float:
+    return max(value, LOWEST_LOGPROB)
+
+
+def chat_logprobs(logprobs) -> dict:
+    """A chat choice's "logprobs" for TokenLogprobs: each token with its
+    UTF-8 bytes and its most likely alternatives."""
+    def entry(lp) -> dict:
+        return {"token": lp.token, "logprob": _finite(lp.logprob), "bytes": list(lp.token.encode())}
+
+    return {"content": [{**entry(lp), "top_logprobs": [entry(top) for top in lp.top_logprobs]} for lp in logprobs],
+            "refusal": None}
+
+
+def completion_logprobs(logprobs, offset: int = 0) -> dict:
+    """A completion choice's "logprobs": the tokens, their log probabilities,
+    for each a map of the most likely tokens (and the token itself) to theirs,
+    and where each token starts in the completion's text, from `offset`."""
+    answer = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in logprobs:
+        top = {alt.token: _finite(alt.logprob) for alt in lp.top_logprobs}
+        top.setdefault(lp.token, _finite(lp.logprob))
+        answer["tokens"].append(lp.token)
+        answer["token_logprobs"].append(_finite(lp.logprob))
+        answer["top_logprobs"].append(top)
+        answer["text_offset"].append(offset)
+        offset += len(lp.token)
+    return answer
+
+
+def _choice_logprobs(call: Call, logprobs, offset: int = 0) -> dict | None:
+    if not call.request.params.logprobs:
+        return None
+    return chat_logprobs(logprobs) if call.chat else completion_logprobs(logprobs, offset)
+
+
+def response(call: Call, model: str, text: str, ids: list[int], final: tandem_pb2.Completion,
+             logprobs=()) -> dict:
+    """The whole answer of a request that did not stream; `logprobs`: the
+    deltas' TokenLogprobs, when the request asked."""
+    choice = {"index": 0, "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
+              "logprobs": _choice_logprobs(call, logprobs)}
     if call.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -254,13 +316,17 @@ class Chunks:
         self.call, self.model = call, model
         self.id, self.created = new_id(call.chat), int(time.time())
         self._role_sent = False
+        self._offset = 0  # where the next token starts in the completion's text (text_offset)
 
     def _chunk(self, choices: list[dict], **more) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.call.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, **more}
 
-    def _choice(self, text: str | None, ids: list[int] | None, finish_reason: str | None) -> dict:
+    def _choice(self, text: str | None, ids: list[int] | None, finish_reason: str | None, logprobs=None) -> dict:
         choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if logprobs is not None:
+            choice["logprobs"] = _choice_logprobs(self.call, logprobs, self._offset)
+            self._offset += sum(len(lp.token) for lp in logprobs)
         if self.call.chat:
             delta = {}
             if not self._role_sent:
@@ -275,7 +341,7 @@ class Chunks:
         return choice
 
     def delta(self, delta: tandem_pb2.TokenDelta) -> dict:
-        return self._chunk([self._choice(delta.text, list(delta.token_ids), None)])
+        return self._chunk([self._choice(delta.text, list(delta.token_ids), None, delta.logprobs)])
 
     def final(self, final: tandem_pb2.Completion) -> list[dict]:
         reason = FINISH_REASONS.get(final.finish_reason, "stop")

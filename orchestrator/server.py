@@ -188,6 +188,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         )
         if msg.stop:
             self._need_tokenizer("a stop string")
+        if msg.HasField("top_logprobs") and not msg.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
         return RequestParams(
             sampling=sampling,
             max_tokens=msg.max_tokens if msg.HasField("max_tokens") else self.config.default_max_tokens,
@@ -195,6 +197,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             k=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else 0,
             pipeline=msg.pipeline if msg.HasField("pipeline") else None,
             seeded=msg.HasField("seed"),
+            logprobs=(msg.top_logprobs if msg.HasField("top_logprobs") else 0) if msg.logprobs else None,
         )
 
     def _check_ids(self, ids: list[int]) -> list[int]:

@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from tandem.logprobs import MAX_TOP_LOGPROBS
+
 # Idle OpenMP threads spin about a millisecond before they sleep, unless the
 # environment sets a policy: long enough to bridge the gaps between a forward's
 # parallel regions, short enough to leave the cores to the other service soon
@@ -126,6 +128,9 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--k", type=_int_in(0, INT32_MAX), default=None,
                    help="draft tokens per round (default: the server's policy)")
     p.add_argument("--pipeline", choices=["on", "off"], default=None, help="override the server's pipelining")
+    p.add_argument("--logprobs", type=_int_in(0, MAX_TOP_LOGPROBS), default=None, metavar="N",
+                   help="report each token's log probability under the target model, and those of the N most "
+                        f"likely tokens at its position (0..{MAX_TOP_LOGPROBS}; default: none)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of each request, seconds (default: none; a server that stops answering "
@@ -137,6 +142,7 @@ def _sampling_kwargs(args) -> dict:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
         pipeline=_switch(args.pipeline),
+        logprobs=True if args.logprobs is not None else None, top_logprobs=args.logprobs,
     )
 
 
@@ -436,6 +442,12 @@ def _print_result(result, args) -> None:
     if args.json:
         print(json.dumps(result.as_dict()))
         return
+    if result.logprobs:
+        print(file=sys.stderr)
+        for lp in result.logprobs:
+            top = "  ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top_logprobs)
+            print(f"{lp.token_id:>8} {lp.token!r:<16} {lp.logprob:9.4f}" + (f"   top: {top}" if top else ""),
+                  file=sys.stderr)
     s = result.stats
     reused = f", {result.cached_prompt_tokens} prompt tokens reused" if result.cached_prompt_tokens else ""
     print(

@@ -27,6 +27,7 @@ class Result:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0  # of prompt_tokens, those a parked session held (--prefix-cache)
     stats: tandem_pb2.SpeculationStats | None = None
+    logprobs: list[tandem_pb2.TokenLogprob] = field(default_factory=list)  # one a token, when asked (logprobs=True)
 
     @property
     def acceptance_rate(self) -> float:
@@ -45,6 +46,9 @@ class Result:
                       "cached_prompt_tokens": self.cached_prompt_tokens},
             "stats": MessageToDict(self.stats, preserving_proto_field_name=True) if self.stats else {},
             "acceptance_rate": self.acceptance_rate,
+            **({"logprobs": [MessageToDict(lp, preserving_proto_field_name=True,
+                                           always_print_fields_with_no_presence=True) for lp in self.logprobs]}
+               if self.logprobs else {}),
         }
 
 
@@ -122,6 +126,7 @@ def collect(events, on_delta=None) -> Result:
         if event.HasField("delta"):
             result.token_ids.extend(event.delta.token_ids)
             result.text += event.delta.text
+            result.logprobs.extend(event.delta.logprobs)
             if on_delta is not None:
                 on_delta(event.delta)
         else:

@@ -10,6 +10,7 @@ import torch
 from tandem import cpu_kernels, multiplex, serving, telemetry
 from tandem.distributions import decode_distribution
 from tandem.lean import MAX_STATIC_ROWS, LeanRunner, unsupported
+from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
@@ -115,8 +116,11 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             if max(draft_tokens) >= dists[0].shape[0]:
                 raise InvalidRequest("a draft token lies outside its draft distribution's vocab_size")
             draft_dists = torch.stack(dists)
+        if request.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
         return VerifyCall(
             alternatives=self._alternatives(request, draft_tokens, sampling),
+            logprobs=request.top_logprobs if request.return_logprobs else None,
             session_id=request.session_id,
             prefix_len=request.prefix.length,
             prefix_fp=request.prefix.fingerprint,
@@ -197,6 +201,8 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                 compute_ms=outcome.compute_ms,
                 handler_ms=(time.perf_counter() - started) * 1e3,
                 more_tokens=outcome.more_tokens,
+                logprobs=[target_pb2.TokenLogprobs(logprob=lp.logprob, top_tokens=lp.top_tokens,
+                                                   top_logprobs=lp.top_logprobs) for lp in outcome.logprobs],
             )
 
 

@@ -11,6 +11,7 @@ import torch
 from tandem import rng
 from tandem.acceptance import Verdict, verify_greedy, verify_greedy_tree, verify_sampled
 from tandem.distributions import logits_to_probs
+from tandem.logprobs import TokenLogprobs, token_logprobs
 from tandem.modeling import ModelRunner
 from tandem.sampling import SamplingParams
 from tandem.session_cache import SessionCacheStore
@@ -29,6 +30,7 @@ class VerifyCall:
     draft_dists: torch.Tensor | None  # [k, vocab] or None
     sampling: SamplingParams
     alternatives: tuple[tuple[int, int], ...] = ()  # greedy: (draft position, token) verified beside the block
+    logprobs: int | None = None  # None: none; n: each committed token's log probability and the top n's
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class VerifyOutcome:
     cropped: int
     compute_ms: float
     more_tokens: tuple[int, ...] = ()  # committed after next_token (an alternative was taken)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one for each committed token, when the call asked
 
 
 class Verifier:
@@ -54,7 +57,7 @@ class Verifier:
         cache.append(call.new_tokens + call.draft_tokens)
         tree = bool(call.alternatives and k and call.sampling.greedy and self.runner.verifies_trees)
         try:
-            verdict = (self._verify_tree if tree else self._verify_block)(cache, call, first_draft_pos)
+            verdict, logprobs = (self._verify_tree if tree else self._verify_block)(cache, call, first_draft_pos)
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused
             raise
@@ -66,6 +69,7 @@ class Verifier:
             cropped=cropped,
             compute_ms=(time.perf_counter() - start) * 1e3,
             more_tokens=verdict.more_tokens,
+            logprobs=logprobs,
         )
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
@@ -104,11 +108,12 @@ class Verifier:
             for (index, cache, cropped, first_draft_pos), block_logits in zip(joined, logits if joined else ()):
                 call = calls[index]
                 cache.mark_fed()
-                verdict = self._settle_block(cache, call, first_draft_pos, block_logits)
+                verdict, logprobs = self._settle_block(cache, call, first_draft_pos, block_logits)
                 self.store.enforce_budget(keep=call.session_id)
                 results[index] = VerifyOutcome(accepted=verdict.accepted, next_token=verdict.next_token,
                                                prefilled=len(call.new_tokens), cropped=cropped,
-                                               compute_ms=compute_ms, more_tokens=verdict.more_tokens)
+                                               compute_ms=compute_ms, more_tokens=verdict.more_tokens,
+                                               logprobs=logprobs)
         for index, call in enumerate(calls):
             if results[index] is None:
                 results[index] = self._verify_or_error(call)
@@ -120,15 +125,17 @@ class Verifier:
         except Exception as err:
             return err
 
-    def _verify_block(self, cache, call: VerifyCall, first_draft_pos: int) -> Verdict:
+    def _verify_block(self, cache, call: VerifyCall, first_draft_pos: int) -> tuple[Verdict, tuple]:
         """The block in one forward; the cache keeps the accepted draft tokens."""
         k = len(call.draft_tokens)
         logits = self.runner.forward_block(cache.kv, cache.unfed(), k)  # [k+1, vocab]
         cache.mark_fed()
         return self._settle_block(cache, call, first_draft_pos, logits)
 
-    def _settle_block(self, cache, call: VerifyCall, first_draft_pos: int, logits: torch.Tensor) -> Verdict:
-        """The verdict on the block from its [k+1, vocab] logits; the cache keeps
+    def _settle_block(self, cache, call: VerifyCall, first_draft_pos: int,
+                      logits: torch.Tensor) -> tuple[Verdict, tuple[TokenLogprobs, ...]]:
+        """The verdict on the block from its [k+1, vocab] logits, and the
+        committed tokens' log probabilities if the call asked; the cache keeps
         the accepted draft tokens."""
         assert logits.ndim == 2
         k = len(call.draft_tokens)
@@ -145,9 +152,12 @@ class Verifier:
                 rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),
             )
         cache.crop(first_draft_pos + verdict.accepted)
-        return verdict
+        if call.logprobs is None:
+            return verdict, ()
+        committed = call.draft_tokens[: verdict.accepted] + [verdict.next_token]
+        return verdict, token_logprobs(logits[: verdict.accepted + 1], committed, call.logprobs)
 
-    def _verify_tree(self, cache, call: VerifyCall, first_draft_pos: int) -> Verdict:
+    def _verify_tree(self, cache, call: VerifyCall, first_draft_pos: int) -> tuple[Verdict, tuple]:
         """The block and its alternatives in one forward; the cache keeps the
         path the verdict takes: the accepted draft tokens, and the alternative
         taken after them (its keys and values moved into place)."""
@@ -162,4 +172,12 @@ class Verifier:
         else:  # the alternative's keys and values sit after the block's
             self.runner.keep_path(cache.kv, keep + 1, moved_from=first_draft_pos + k + verdict.taken)
             cache.rewrite_tail(keep, [verdict.next_token])
-        return verdict
+        if call.logprobs is None:
+            return verdict, ()
+        # An alternative taken stands at the chain's row `accepted` (it is the
+        # target's token there); the token after it, at its own row.
+        rows = chain[: verdict.accepted + 1]
+        if verdict.taken is not None:
+            rows = torch.cat([rows, after_alternatives[verdict.taken: verdict.taken + 1]])
+        committed = call.draft_tokens[: verdict.accepted] + [verdict.next_token, *verdict.more_tokens]
+        return verdict, token_logprobs(rows, committed, call.logprobs)

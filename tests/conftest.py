@@ -74,6 +74,23 @@ def tiny_models(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="session")
+def near_draft(tiny_models, tmp_path_factory):
+    """The target with noise on its weights: a draft that agrees with it often,
+    and whose runner-up is often the target's token where it does not."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator) * param.std() * 0.5
+            param.add_(noise).copy_(param.bfloat16().float())
+    path = tmp_path_factory.mktemp("near")
+    model.save_pretrained(path)
+    return str(path)
+
+
 def reference_greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face generate(do_sample=False) on the target alone, fp32."""
     from transformers import AutoModelForCausalLM

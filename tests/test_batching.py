@@ -56,7 +56,7 @@ def _verifier(runner) -> Verifier:
     return Verifier(runner, store)
 
 
-def _calls(sampling) -> list[VerifyCall]:
+def _calls(sampling, logprobs: int | None = None) -> list[VerifyCall]:
     calls = []
     for i, (session, tokens) in enumerate(HISTORIES.items()):
         draft = [(11 * i + j) % 120 + 1 for j in range(3)]
@@ -64,19 +64,26 @@ def _calls(sampling) -> list[VerifyCall]:
         if not sampling.greedy:
             dists = torch.softmax(torch.randn(3, 128, generator=torch.Generator().manual_seed(i)), dim=-1)
             probs = [float(dists[j, t]) for j, t in enumerate(draft)]
-        calls.append(VerifyCall(session, len(tokens), fingerprint.of(tokens), [i + 1], draft, probs, dists, sampling))
+        calls.append(VerifyCall(session, len(tokens), fingerprint.of(tokens), [i + 1], draft, probs, dists, sampling,
+                                logprobs=logprobs))
     return calls
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_batch_of_verifies_decides_as_each_would_alone(runner, sampling):
     batched, alone = _verifier(runner), _verifier(runner)
-    calls = _calls(sampling)
+    calls = _calls(sampling, logprobs=3)
     outcomes = batched.verify_batch(calls)
     for call, outcome in zip(calls, outcomes):
         expected = alone.verify(call)
         assert (outcome.accepted, outcome.next_token, outcome.prefilled) == \
                (expected.accepted, expected.next_token, expected.prefilled)
+        # Each committed token's log probability, and the 3 likeliest, as alone.
+        assert len(outcome.logprobs) == len(expected.logprobs) == outcome.accepted + 1
+        for got, want in zip(outcome.logprobs, expected.logprobs):
+            assert got.top_tokens == want.top_tokens and len(got.top_tokens) == 3
+            torch.testing.assert_close(torch.tensor([got.logprob, *got.top_logprobs]),
+                                       torch.tensor([want.logprob, *want.top_logprobs]), atol=1e-5, rtol=0)
         assert batched.store.peek(call.session_id).tokens == alone.store.peek(call.session_id).tokens
 
 

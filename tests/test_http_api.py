@@ -13,6 +13,7 @@ import redis
 from transformers import AutoTokenizer
 
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
+from tests.test_logprobs import ATOL, reference_logprobs
 
 SYSTEM = "Answer briefly."
 
@@ -145,6 +146,53 @@ def test_a_chat_completion_renders_the_conversation_with_the_chat_template(http,
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_logprobs_come_as_openai_lays_them_out_and_are_the_target_alones(http, char_models):
+    """A completion's logprobs (tokens, token_logprobs, top_logprobs maps with
+    the token itself, text_offset) and a chat completion's (content entries
+    with bytes and top_logprobs), streamed or not: each value is the target
+    alone's log-softmax at the token's position."""
+    _, base, tokenizer = http
+    prompt = "def fib(n):\n    "
+    prompt_ids = tokenizer.encode(prompt)
+    expected = reference_greedy(char_models["target"], prompt_ids, 20)
+    reference = reference_logprobs(char_models["target"], prompt_ids, expected)
+    text = tokenizer.decode(expected)
+    body = dict(model="tandem-tiny", prompt=prompt, max_tokens=20, temperature=0, logprobs=3)
+    whole = client(base).completions.create(**body).choices[0].logprobs
+    chunks = list(client(base).completions.create(**body, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(streamed) > 1  # each delta carries its own tokens'
+    joined = {key: [v for part in streamed for v in getattr(part, key)] for key in
+              ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    for answer in (whole.model_dump(), joined):
+        assert answer["tokens"] == [tokenizer.decode([t]) for t in expected] and "".join(answer["tokens"]) == text
+        assert answer["text_offset"] == [len(text[:i]) for i in range(len(expected))]
+        for i, (token, value, top) in enumerate(zip(expected, answer["token_logprobs"], answer["top_logprobs"])):
+            assert value == pytest.approx(reference[i, token].item(), abs=ATOL)
+            assert len(top) == 3 and tokenizer.decode([token]) in top  # greedy: the token is the likeliest
+            for piece, top_value in top.items():
+                assert top_value == pytest.approx(reference[i, tokenizer.convert_tokens_to_ids(piece)].item(), abs=ATOL)
+
+    messages = [{"role": "user", "content": "hello"}]
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    expected = reference_greedy(char_models["target"], chat_ids, 12)
+    reference = reference_logprobs(char_models["target"], chat_ids, expected)
+    body = dict(model="tandem-tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client(base).chat.completions.create(**body).choices[0].logprobs.content
+    chunks = list(client(base).chat.completions.create(**body, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    for content in (whole, streamed):
+        assert [e.token for e in content] == [tokenizer.decode([t]) for t in expected]
+        for i, (token, entry) in enumerate(zip(expected, content)):
+            assert entry.bytes == list(entry.token.encode())
+            assert entry.logprob == pytest.approx(reference[i, token].item(), abs=ATOL)
+            assert [t.token for t in entry.top_logprobs][0] == entry.token and len(entry.top_logprobs) == 2
+    unasked = client(base).chat.completions.create(**{**body, "logprobs": False, "top_logprobs": None})
+    assert unasked.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="needs 'logprobs': true"):
+        client(base).chat.completions.create(**{**body, "logprobs": False})
+
+
 def test_a_seeded_sampled_request_equals_the_grpc_api_with_the_same_seed(http):
     cluster, base, _ = http
     params = dict(max_tokens=32, temperature=0.9, top_p=0.95, seed=1234)
@@ -165,7 +213,8 @@ def test_a_seeded_sampled_request_equals_the_grpc_api_with_the_same_seed(http):
     (dict(frequency_penalty=0.5), "frequency_penalty", "not supported"),
     (dict(extra_body={"logit_bias": {"5": 10}}), "logit_bias", "not supported"),
     (dict(echo=True), "echo", "not supported"),
-    (dict(logprobs=2), "logprobs", "no log probabilities"),
+    (dict(logprobs=21), "logprobs", "'logprobs' must be in [0, 20]"),
+    (dict(extra_body={"top_logprobs": 2}), "top_logprobs", "a completion takes 'logprobs': N"),
     (dict(top_p=0), "top_p", "top_p"),
     (dict(max_tokens=0), "max_tokens", "max_tokens"),
     (dict(max_tokens=100_000), None, "context window"),  # the orchestrator's INVALID_ARGUMENT, passed on

@@ -48,6 +48,24 @@ def test_the_orchestrator_process_serves_text_without_torch(char_models):
             over_http = json.load(reply)["choices"][0]
         assert over_http["token_ids"] == chat_expected[0].token_ids
         assert over_http["message"]["content"] == chat_expected[0].text
+        # Log probabilities pass through the process untouched, and through the CLI.
+        with TandemClient(ready.split()[-1], timeout_s=120) as client, cluster.client() as reference:
+            scored = client.generate("Write a haiku", logprobs=True, top_logprobs=2, **params)
+            scored_expected = reference.generate("Write a haiku", logprobs=True, top_logprobs=2, **params)
+        assert [(lp.token_id, lp.token) for lp in scored.logprobs] == \
+               [(t, chr(t)) for t in scored_expected.token_ids]
+        # (to rounding: one request's prompt may run in another forward than the other's)
+        assert [lp.logprob for lp in scored.logprobs] == \
+               pytest.approx([lp.logprob for lp in scored_expected.logprobs], abs=1e-4)
+        printed = subprocess.run(
+            [sys.executable, "-m", "tandem.cli", "generate", "Write a haiku", "--address", ready.split()[-1],
+             "--max-tokens", "24", "--temperature", "0", "--logprobs", "2", "--json"],
+            capture_output=True, text=True, timeout=120, check=True)
+        printed = json.loads(printed.stdout)["logprobs"]
+        assert [lp["token_id"] for lp in printed] == scored_expected.token_ids
+        assert [lp["logprob"] for lp in printed] == \
+               pytest.approx([lp.logprob for lp in scored_expected.logprobs], abs=1e-4)
+        assert all(len(lp["top_logprobs"]) == 2 for lp in printed)
         with open(f"/proc/{process.pid}/maps") as maps:
             assert "libtorch" not in maps.read(), "the orchestrator's process loaded torch"
         assert got.token_ids == expected.token_ids and got.text == expected.text and len(got.token_ids) == 24

@@ -16,21 +16,6 @@ from tests.conftest import DEVICE, Cluster, reference_greedy
 PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6], [10, 20, 30, 40, 50, 60, 10, 20], list(range(5, 45, 2)))
 
 
-@pytest.fixture(scope="module")
-def near_draft(tiny_models, tmp_path_factory):
-    """The target with noise on its weights: a draft that agrees with it often,
-    and whose runner-up is often the target's token where it does not."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for param in model.parameters():
-            noise = torch.randn(param.shape, generator=generator) * param.std() * 0.5
-            param.add_(noise).copy_(param.bfloat16().float())
-    path = tmp_path_factory.mktemp("near")
-    model.save_pretrained(path)
-    return str(path)
-
-
 def _runner(model_dir: str) -> ModelRunner:
     return ModelRunner(load(ModelConfig(model_dir, dtype="float32")), "cpu")
 
