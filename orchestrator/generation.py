@@ -23,6 +23,9 @@ from tandem.v1 import tandem_pb2
 log = logging.getLogger(__name__)
 
 
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclass(frozen=True)
 class RequestParams:
     """Per-request settings, checked on construction (ValueError → INVALID_ARGUMENT)."""
@@ -34,6 +37,8 @@ class RequestParams:
     pipeline: bool | None = None  # None = the server's setting
     seeded: bool = False  # the client chose the seed: the run must be reproducible
     logprobs: int | None = None  # None: none; n: each token's log probability and the n most likely tokens'
+    ignore_eos: bool = False  # the model's end-of-sequence tokens do not end the request
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end it as a stop string does
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -42,6 +47,8 @@ class RequestParams:
             raise ValueError(f"num_draft_tokens must be >= 0, got {self.k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,7 @@ class Generation:
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
             self.breaker, self.prefill_overlap(params), self.config.tree_width,
             end=min(self.config.max_context, len(record.tokens) + params.max_tokens),
-            end_ids=frozenset(self.eos_ids), logprobs=params.logprobs,
+            end_ids=self._end_ids(params) | params.stop_token_ids, logprobs=params.logprobs,
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)
@@ -245,8 +252,13 @@ class Generation:
             if finish == tandem_pb2.FINISH_REASON_STOP:
                 outcome.text = _before_stop(outcome.text, params.stop)
 
+    def _end_ids(self, params: RequestParams) -> frozenset[int]:
+        """The tokens that end the request as end of sequence."""
+        return frozenset() if params.ignore_eos else frozenset(self.eos_ids)
+
     def _cut(self, newly, completion, params, room):
         """The part of a round's tokens to commit, and the finish reason it causes."""
+        eos = self._end_ids(params)
         limit = min(params.max_tokens, room) - len(completion)
         at_limit = tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens <= room else tandem_pb2.FINISH_REASON_CONTEXT
         # A stop string ending at a new token lies within its last tokens: a token
@@ -254,8 +266,10 @@ class Generation:
         # check linear in the completion's length.
         window = 4 * max((len(stop) for stop in params.stop), default=0) + 8
         for i, token in enumerate(newly[:limit]):
-            if token in self.eos_ids:
+            if token in eos:
                 return newly[: i + 1], tandem_pb2.FINISH_REASON_EOS
+            if token in params.stop_token_ids:
+                return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP
             if params.stop and self.tokenizer is not None:
                 tail = (completion + newly[: i + 1])[-window:]
                 if find_stop(self.tokenizer.decode(tail, skip_special_tokens=True), list(params.stop)) >= 0:

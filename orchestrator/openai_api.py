@@ -162,6 +162,12 @@ def _params(body: dict, max_tokens_names: tuple[str, ...], chat: bool) -> tandem
         params.num_draft_tokens = k
     if body.get("pipeline") is not None:
         params.pipeline = _flag(body, "pipeline")
+    params.ignore_eos = _flag(body, "ignore_eos")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise invalid("stop_token_ids", "'stop_token_ids' must be a list of token ids")
+        params.stop_token_ids.extend(ids)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

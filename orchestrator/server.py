@@ -198,13 +198,15 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             pipeline=msg.pipeline if msg.HasField("pipeline") else None,
             seeded=msg.HasField("seed"),
             logprobs=(msg.top_logprobs if msg.HasField("top_logprobs") else 0) if msg.logprobs else None,
+            ignore_eos=msg.ignore_eos,
+            stop_token_ids=frozenset(self._check_ids(list(msg.stop_token_ids), "stop_token_ids")),
         )
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
+    def _check_ids(self, ids: list[int], what: str = "token ids") -> list[int]:
         vocab = self.target_info.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token ids outside [0, {vocab}): {bad[:5]}")
+            raise ValueError(f"{what} outside [0, {vocab}): {bad[:5]}")
         return ids
 
     def _messages(self, messages) -> list[dict]:

@@ -125,6 +125,10 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--seed", type=_int_in(0, UINT64_MAX), default=None,
                    help="seed for reproducible sampling (default: a random one, reported in the stats)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=_int_in(0, INT32_MAX), default=None, metavar="ID",
+                   help="a token id that ends the generation (repeatable; default: none)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate past end-of-sequence tokens, to --max-tokens (for benchmarks)")
     p.add_argument("--k", type=_int_in(0, INT32_MAX), default=None,
                    help="draft tokens per round (default: the server's policy)")
     p.add_argument("--pipeline", choices=["on", "off"], default=None, help="override the server's pipelining")
@@ -143,6 +147,7 @@ def _sampling_kwargs(args) -> dict:
         seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
         pipeline=_switch(args.pipeline),
         logprobs=True if args.logprobs is not None else None, top_logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos or None, stop_token_ids=args.stop_token_id,
     )
 
 
