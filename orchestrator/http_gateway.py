@@ -18,7 +18,7 @@ import time
 import grpc
 from aiohttp import web
 
-from orchestrator.openai_api import ApiError, Call, Chunks, chat_call, completion_call, response
+from orchestrator.openai_api import Answer, ApiError, Call, Chunks, chat_call, completion_call, response
 from tandem import serving
 from tandem.serving import MAX_MESSAGE_BYTES
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -112,32 +112,29 @@ class Gateway:
                                   "draft_model": info.draft_model})
 
     async def _answer(self, request: web.Request, call: Call) -> web.StreamResponse:
+        """One Generate call for each of the request's n choices, at once."""
         model = await self.model_name()
         if call.model is not None and call.model != model:
             raise ApiError(404, f"the model {call.model!r} does not exist: this server serves {model!r}",
                            "not_found_error", "model", "model_not_found")
-        rpc = self.stub.Generate(call.request, metadata=self._metadata(request))
-        events = rpc.__aiter__()
+        metadata = self._metadata(request)
+        rpcs = [self.stub.Generate(one, metadata=metadata) for one in call.requests()]
+        streams = [rpc.__aiter__() for rpc in rpcs]
         finished = False
         try:
             if call.stream:
-                answer = await self._stream(request, call, model, events)
+                answer = await self._stream(request, call, model, streams)
             else:
-                text, ids, logprobs = [], [], []
-                while (event := await anext(events, None)) is not None and event.HasField("delta"):
-                    text.append(event.delta.text)
-                    ids.extend(event.delta.token_ids)
-                    logprobs.extend(event.delta.logprobs)
-                if event is None:
-                    raise ApiError(502, "the orchestrator ended the stream without a final event", "internal_error")
-                answer = web.json_response(response(call, model, "".join(text), ids, event.final, logprobs))
+                answers = await _all([_collect(events) for events in streams])
+                answer = web.json_response(response(call, model, answers))
             finished = True
             return answer
         finally:
-            if finished:  # the orchestrator is deleting the session: the call ends by itself
-                self._let_finish(events)
-            else:  # the client went away, or the call failed: stop the generation
-                rpc.cancel()
+            for rpc, events in zip(rpcs, streams):
+                if finished:  # the orchestrator is deleting the session: the call ends by itself
+                    self._let_finish(events)
+                else:  # the client went away, or a call failed: stop the generations
+                    rpc.cancel()
 
     def _let_finish(self, events) -> None:
         """Reads a call to its end in the background (grpc.aio cancels a call
@@ -151,33 +148,83 @@ class Gateway:
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
-    async def _stream(self, request: web.Request, call: Call, model: str, events) -> web.StreamResponse:
-        """Server-sent events. The first event is awaited before the response
-        starts, so that a refused request still gets its HTTP status; an error
-        after that comes as a chunk {"error": ...}, then [DONE]."""
-        event = await anext(events, None)
+    async def _stream(self, request: web.Request, call: Call, model: str, streams) -> web.StreamResponse:
+        """Server-sent events. Each choice's first event is awaited before the
+        response starts, so that a refused request still gets its HTTP status;
+        an error after that comes as a chunk {"error": ...}, then [DONE]. The
+        choices' chunks go out as their rounds commit, interleaved."""
+        firsts = await _all([anext(events, None) for events in streams])
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         chunks = Chunks(call, model)
         started = time.monotonic()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, event, events) -> None:
+            """The choice's events into the queue, then None (or the error)."""
+            try:
+                while event is not None:
+                    await queue.put((index, event))
+                    if event.HasField("final"):
+                        break
+                    event = await anext(events, None)
+                await queue.put((index, None))
+            except grpc.aio.AioRpcError as err:
+                await queue.put((index, err))
+
+        pumps = [asyncio.create_task(pump(i, first, events)) for i, (first, events) in enumerate(zip(firsts, streams))]
+        finals: dict[int, tandem_pb2.Completion] = {}
         try:
-            while event is not None:
-                if event.HasField("delta"):
-                    await _send(out, chunks.delta(event.delta))
+            ended = 0
+            while ended < call.n:
+                index, event = await queue.get()
+                if isinstance(event, grpc.aio.AioRpcError):
+                    raise event
+                if event is None:
+                    ended += 1
+                elif event.HasField("delta"):
+                    await _send(out, chunks.delta(index, event.delta))
                 else:
-                    for chunk in chunks.final(event.final):
-                        await _send(out, chunk)
-                    break
-                event = await anext(events, None)
+                    finals[index] = event.final
+                    await _send(out, chunks.final(index, event.final))
+            if call.include_usage and len(finals) == call.n:
+                await _send(out, chunks.usage([finals[i] for i in range(call.n)]))
         except grpc.aio.AioRpcError as err:
             await _send(out, ApiError.from_rpc(err).body())
         except (ConnectionResetError, asyncio.CancelledError):
-            # The caller cancels the generation; what it committed stays committed.
+            # The caller cancels the generations; what they committed stays committed.
             log.info("client went away after %.1f s; cancelling its generation", time.monotonic() - started)
             raise
+        finally:
+            for task in pumps:
+                task.cancel()
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+
+async def _collect(events) -> Answer:
+    """A choice's events, to its final one."""
+    answer = Answer()
+    while (event := await anext(events, None)) is not None and event.HasField("delta"):
+        answer.add(event.delta)
+    if event is None:
+        raise ApiError(502, "the orchestrator ended the stream without a final event", "internal_error")
+    answer.final = event.final
+    return answer
+
+
+async def _all(awaitables) -> list:
+    """The results of the awaitables, run at once; on the first failure the
+    others are cancelled and the failure raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _send(out: web.StreamResponse, payload: dict) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -17,6 +17,7 @@ from tandem.v1 import tandem_pb2
 
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
+MAX_CHOICES = 16  # "n": each choice is a generation of its own
 
 FINISH_REASONS = {  # Tandem's finish reason -> OpenAI's
     tandem_pb2.FINISH_REASON_EOS: "stop",
@@ -90,6 +91,19 @@ class Call:
     include_usage: bool  # streamed: a last chunk with the usage (stream_options.include_usage)
     return_token_ids: bool  # each choice (and chunk) also carries its token ids
     model: str | None  # as the client named it; None = not named
+    n: int = 1  # choices: one Generate call each
+
+    def requests(self) -> list[tandem_pb2.GenerateRequest]:
+        """The Generate call of each choice. With a seed, choice i samples with
+        seed + i (mod 2**64), so that the choices differ and each is reproducible."""
+        calls = []
+        for i in range(self.n):
+            request = tandem_pb2.GenerateRequest()
+            request.CopyFrom(self.request)
+            if i and request.params.HasField("seed"):
+                request.params.seed = (request.params.seed + i) % (UINT64_MAX + 1)
+            calls.append(request)
+        return calls
 
 
 def _number(body: dict, name: str, low: float, high: float, *, integer: bool = False, low_open: bool = False):
@@ -139,9 +153,6 @@ def _params(body: dict, max_tokens_names: tuple[str, ...], chat: bool) -> tandem
         value = body.get(name)
         if value is not None and value not in no_ops:
             raise invalid(name, f"'{name}' is not supported: {why}")
-    n = _number(body, "n", 1, INT32_MAX, integer=True)
-    if n not in (None, 1):
-        raise invalid("n", "'n' must be 1: each request makes one choice")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise invalid("response_format", "only the response format {\"type\": \"text\"} is supported")
@@ -189,8 +200,9 @@ def _common(body, chat: bool, request: tandem_pb2.GenerateRequest) -> Call:
         raise invalid("stream_options", "'stream_options' must be an object")
     if options and not stream:
         raise invalid("stream_options", "'stream_options' needs 'stream': true")
+    n = _number(body, "n", 1, MAX_CHOICES, integer=True) or 1
     return Call(request=request, chat=chat, stream=stream, include_usage=_flag(options, "include_usage"),
-                return_token_ids=_flag(body, "return_token_ids"), model=model or None)
+                return_token_ids=_flag(body, "return_token_ids"), model=model or None, n=n)
 
 
 def completion_call(body) -> Call:
@@ -246,10 +258,13 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(final: tandem_pb2.Completion) -> dict:
-    prompt, completion = final.usage.prompt_tokens, final.usage.completion_tokens
+def usage(finals: list[tandem_pb2.Completion]) -> dict:
+    """The usage of a request's choices: the prompt once, the completions'
+    tokens summed, and the prompt's tokens that every choice found cached."""
+    prompt = finals[0].usage.prompt_tokens
+    completion = sum(final.usage.completion_tokens for final in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": final.usage.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": min(f.usage.cached_prompt_tokens for f in finals)}}
 
 
 def speculation(final: tandem_pb2.Completion) -> dict:
@@ -297,46 +312,68 @@ def _choice_logprobs(call: Call, logprobs, offset: int = 0) -> dict | None:
     return chat_logprobs(logprobs) if call.chat else completion_logprobs(logprobs, offset)
 
 
-def response(call: Call, model: str, text: str, ids: list[int], final: tandem_pb2.Completion,
-             logprobs=()) -> dict:
-    """The whole answer of a request that did not stream; `logprobs`: the
-    deltas' TokenLogprobs, when the request asked."""
-    choice = {"index": 0, "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
-              "logprobs": _choice_logprobs(call, logprobs)}
-    if call.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    if call.return_token_ids:
-        choice["token_ids"] = ids
+@dataclass
+class Answer:
+    """One choice's generation, collected from its events."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprobs, when the request asked
+    final: tandem_pb2.Completion | None = None
+
+    def add(self, delta: tandem_pb2.TokenDelta) -> None:
+        self.text += delta.text
+        self.ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+
+
+def response(call: Call, model: str, answers: list[Answer]) -> dict:
+    """The whole answer of a request that did not stream. "tandem": the
+    speculation stats; with n > 1, a list of each choice's."""
+    choices = []
+    for index, answer in enumerate(answers):
+        choice = {"index": index, "finish_reason": FINISH_REASONS.get(answer.final.finish_reason, "stop"),
+                  "logprobs": _choice_logprobs(call, answer.logprobs)}
+        if call.chat:
+            choice["message"] = {"role": "assistant", "content": answer.text}
+        else:
+            choice["text"] = answer.text
+        if call.return_token_ids:
+            choice["token_ids"] = answer.ids
+        choices.append(choice)
+    finals = [answer.final for answer in answers]
+    stats = [speculation(final) for final in finals]
     return {"id": new_id(call.chat), "object": "chat.completion" if call.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice], "usage": usage(final),
-            "tandem": speculation(final)}
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage(finals),
+            "tandem": stats[0] if call.n == 1 else stats}
 
 
 class Chunks:
-    """The chunks of one streamed answer, in order: deltas as rounds commit
-    them, one with the finish reason (and the stats), then the usage if asked."""
+    """The chunks of one streamed answer: for each choice (its index), deltas
+    as rounds commit them, then one with its finish reason and its stats;
+    after every choice's, the usage if asked."""
 
     def __init__(self, call: Call, model: str):
         self.call, self.model = call, model
         self.id, self.created = new_id(call.chat), int(time.time())
-        self._role_sent = False
-        self._offset = 0  # where the next token starts in the completion's text (text_offset)
+        self._role_sent: set[int] = set()  # choices whose first chunk went out
+        self._offset = [0] * call.n  # where each choice's next token starts in its text (text_offset)
 
     def _chunk(self, choices: list[dict], **more) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.call.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, **more}
 
-    def _choice(self, text: str | None, ids: list[int] | None, finish_reason: str | None, logprobs=None) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def _choice(self, index: int, text: str | None, ids: list[int] | None, finish_reason: str | None,
+                logprobs=None) -> dict:
+        choice = {"index": index, "finish_reason": finish_reason, "logprobs": None}
         if logprobs is not None:
-            choice["logprobs"] = _choice_logprobs(self.call, logprobs, self._offset)
-            self._offset += sum(len(lp.token) for lp in logprobs)
+            choice["logprobs"] = _choice_logprobs(self.call, logprobs, self._offset[index])
+            self._offset[index] += sum(len(lp.token) for lp in logprobs)
         if self.call.chat:
             delta = {}
-            if not self._role_sent:
-                delta["role"], self._role_sent = "assistant", True
+            if index not in self._role_sent:
+                delta["role"] = "assistant"
+                self._role_sent.add(index)
             if text is not None:
                 delta["content"] = text
             choice["delta"] = delta
@@ -346,12 +383,14 @@ class Chunks:
             choice["token_ids"] = ids
         return choice
 
-    def delta(self, delta: tandem_pb2.TokenDelta) -> dict:
-        return self._chunk([self._choice(delta.text, list(delta.token_ids), None, delta.logprobs)])
+    def delta(self, index: int, delta: tandem_pb2.TokenDelta) -> dict:
+        return self._chunk([self._choice(index, delta.text, list(delta.token_ids), None, delta.logprobs)])
 
-    def final(self, final: tandem_pb2.Completion) -> list[dict]:
+    def final(self, index: int, final: tandem_pb2.Completion) -> dict:
         reason = FINISH_REASONS.get(final.finish_reason, "stop")
-        chunks = [self._chunk([self._choice("" if self.call.chat else None, [], reason)], tandem=speculation(final))]
-        if self.call.include_usage:
-            chunks.append(self._chunk([], usage=usage(final)))
-        return chunks
+        return self._chunk([self._choice(index, "" if self.call.chat else None, [], reason)],
+                           tandem=speculation(final))
+
+    def usage(self, finals: list[tandem_pb2.Completion]) -> dict:
+        """The last chunk, when the request asked (stream_options.include_usage)."""
+        return self._chunk([], usage=usage(finals))

@@ -207,9 +207,42 @@ def test_a_seeded_sampled_request_equals_the_grpc_api_with_the_same_seed(http):
     assert len(unseeded) > 1
 
 
+def test_n_choices_are_generations_of_their_own(http, char_models):
+    """n > 1: a Generate call per choice, at once. Greedy, each choice is the
+    target alone's; seeded, choice i is the gRPC API's with seed + i; streamed,
+    each choice's chunks carry its index and join to its whole answer."""
+    cluster, base, tokenizer = http
+    prompt = "Once upon a time"
+    expected = reference_greedy(char_models["target"], tokenizer.encode(prompt), 16)
+    answer = client(base).completions.create(model="tandem-tiny", prompt=prompt, max_tokens=16, temperature=0, n=3,
+                                             extra_body={"return_token_ids": True})
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert all(c.token_ids == expected for c in answer.choices)
+    assert answer.usage.completion_tokens == 48 and answer.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert isinstance(answer.tandem, list) and len(answer.tandem) == 3
+
+    params = dict(max_tokens=24, temperature=1.0, seed=77)
+    sampled = client(base).completions.create(model="tandem-tiny", prompt=prompt, n=3,
+                                              extra_body={"return_token_ids": True}, **params)
+    with cluster.client() as grpc_client:
+        each = [grpc_client.generate(prompt, **{**params, "seed": 77 + i}).token_ids for i in range(3)]
+    assert [c.token_ids for c in sampled.choices] == each and len({tuple(ids) for ids in each}) > 1
+
+    messages = [{"role": "user", "content": "hello"}]
+    body = dict(model="tandem-tiny", messages=messages, max_tokens=20, temperature=1.0, seed=5, n=2)
+    whole = client(base).chat.completions.create(**body)
+    chunks = list(client(base).chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert [m.delta.role for m in mine].count("assistant") == 1 and mine[0].delta.role == "assistant"
+        assert "".join(m.delta.content or "" for m in mine) == whole.choices[index].message.content
+        assert [m.finish_reason for m in mine if m.finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+
+
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "temperature"),
-    (dict(n=2), "n", "'n' must be 1"),
+    (dict(n=17), "n", "'n' must be in [1, 16]"),
     (dict(frequency_penalty=0.5), "frequency_penalty", "not supported"),
     (dict(extra_body={"logit_bias": {"5": 10}}), "logit_bias", "not supported"),
     (dict(echo=True), "echo", "not supported"),
