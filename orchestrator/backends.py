@@ -78,6 +78,7 @@ class VerifyResult:
     handler_ms: float = 0.0  # in the service's handler, compute included (0: not reported)
     latency_ms: float = 0.0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one for each committed token, when asked
+    new_token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # each new token's after the first
 
 
 class Proposer(Protocol):
@@ -97,11 +98,13 @@ class Verifier(Protocol):
     async def verify(
         self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
         sampling: SamplingParams, relay_k: int = 0, relay_all_accepted: bool = False,
-        relay_alternatives: bool = False, logprobs: int | None = None,
+        relay_alternatives: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
     ) -> VerifyResult:
         """logprobs (passed only when set): the result also carries each
         committed token's log probability and those of the `logprobs` most
-        likely tokens at its position (tandem.logprobs). relay_k > 0, passed only to a verifier whose `relays` attribute is
+        likely tokens at its position (tandem.logprobs); prompt_logprobs (passed
+        only when set): each new token's after the first, with as many of the
+        likeliest. relay_k > 0, passed only to a verifier whose `relays` attribute is
         true (absent: false): after a rejection, and after a whole block too
         if relay_all_accepted, the target also sends the draft the call that
         drafts relay_k tokens after its verdict (target_service.relay), asking
@@ -227,7 +230,7 @@ class GrpcVerifier(_GrpcClient):
         self.relays = bool(relay_to)
 
     async def verify(self, session_id, prefix, new_tokens, block, sampling, relay_k=0, relay_all_accepted=False,
-                     relay_alternatives=False, logprobs=None):
+                     relay_alternatives=False, logprobs=None, prompt_logprobs=None):
         request = target_pb2.VerifyRequest(
             session_id=session_id,
             prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
@@ -239,7 +242,8 @@ class GrpcVerifier(_GrpcClient):
             alternative_positions=range(len(block.alternatives)),
             alternative_tokens=block.alternatives,
             return_logprobs=logprobs is not None,
-            top_logprobs=logprobs or 0,
+            return_new_token_logprobs=prompt_logprobs is not None,
+            top_logprobs=max(logprobs or 0, prompt_logprobs or 0),
         )
         if relay_k and self.relay_to:
             request.relay.draft_address = self.relay_to
@@ -257,5 +261,12 @@ class GrpcVerifier(_GrpcClient):
             compute_ms=reply.compute_ms,
             handler_ms=reply.handler_ms,
             latency_ms=(time.perf_counter() - start) * 1e3,
-            logprobs=[TokenLogprobs(lp.logprob, tuple(lp.top_tokens), tuple(lp.top_logprobs)) for lp in reply.logprobs],
+            logprobs=_logprobs(reply.logprobs, logprobs),
+            new_token_logprobs=_logprobs(reply.new_token_logprobs, prompt_logprobs),
         )
+
+
+def _logprobs(wire, top: int | None) -> list[TokenLogprobs]:
+    """TokenLogprobs from the reply, cut to the `top` likeliest asked (one
+    call asks for the larger count of its two kinds)."""
+    return [TokenLogprobs(lp.logprob, tuple(lp.top_tokens[:top]), tuple(lp.top_logprobs[:top])) for lp in wire]

@@ -45,6 +45,7 @@ class Decoder:
         end: int = 1 << 30,
         end_ids: frozenset[int] = frozenset(),
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -78,6 +79,10 @@ class Decoder:
         # the tokens the last round yielded (tandem.logprobs).
         self.logprobs = logprobs
         self.round_logprobs: list = []
+        # None, or as logprobs for the committed tokens the first verify takes
+        # in (after the first of them): prompt_scores once it answered.
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_scores: list | None = None
 
     # --- service calls, with re-sync on cache miss ------------------------------
     def _pending(self, view: ServiceView) -> int:
@@ -142,6 +147,8 @@ class Decoder:
             extra["relay_alternatives"] = True
         if self.logprobs is not None:
             extra["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None and self.prompt_scores is None:
+            extra["prompt_logprobs"] = self.prompt_logprobs
         sent = block.with_tree(self.tree_width)
         with telemetry.child_span("tandem.verify", round_span, telemetry.SpanKind.CLIENT) as span:
             result = await self._resynced(self.target_view, span, lambda base: self.verifier.verify(
@@ -238,6 +245,8 @@ class Decoder:
                 raise RuntimeError(f"the target service returned {len(result.logprobs)} log probabilities for "
                                    f"{len(newly)} committed tokens (a service older than the request?)")
             self.round_logprobs = result.logprobs
+        if self.prompt_logprobs is not None and self.prompt_scores is None:
+            self.prompt_scores = result.new_token_logprobs
         before = len(self.committed)
         self.committed.extend(newly)
         self.draft_view.settle(before, newly)

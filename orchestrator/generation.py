@@ -39,6 +39,8 @@ class RequestParams:
     logprobs: int | None = None  # None: none; n: each token's log probability and the n most likely tokens'
     ignore_eos: bool = False  # the model's end-of-sequence tokens do not end the request
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it as a stop string does
+    echo: bool = False  # the first delta carries the prompt
+    prompt_logprobs: int | None = None  # and with it its tokens' log probabilities and the n likeliest
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -47,6 +49,8 @@ class RequestParams:
             raise ValueError(f"num_draft_tokens must be >= 0, got {self.k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
 
@@ -150,6 +154,7 @@ class Generation:
         request's (its rounds are its children while tracing). `cached`: the
         prompt's tokens before `turn`, already the session's (prefix reuse)."""
         started = time.perf_counter()
+        echoed = list(record.tokens) + turn if params.echo or params.prompt_logprobs is not None else None
         await self.store.append_tokens(record, turn)  # the turn is committed first
         pipeline = self.pipeline_for(params)
         committed = Committed(record.tokens)
@@ -161,6 +166,7 @@ class Generation:
             self.breaker, self.prefill_overlap(params), self.config.tree_width,
             end=min(self.config.max_context, len(record.tokens) + params.max_tokens),
             end_ids=self._end_ids(params) | params.stop_token_ids, logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)
@@ -188,7 +194,11 @@ class Generation:
                         first_token_ms = (time.perf_counter() - started) * 1e3
                     logprobs = (() if params.logprobs is None
                                 else _token_logprobs(keep, decoder.round_logprobs, self.tokenizer))
-                    yield _event_delta(keep, text, logprobs)
+                    event = _event_delta(keep, text, logprobs)
+                    if echoed is not None:
+                        event.delta.prompt.CopyFrom(self._echo(echoed, decoder, params))
+                        echoed = None
+                    yield event
                     metrics.streamed(len(keep), first_token_ms)
                 metrics.record_rounds(decoder.stats)  # while the next round's calls run
                 if finish != tandem_pb2.FINISH_REASON_UNSPECIFIED:
@@ -251,6 +261,18 @@ class Generation:
             outcome.text = detok.full_text()
             if finish == tandem_pb2.FINISH_REASON_STOP:
                 outcome.text = _before_stop(outcome.text, params.stop)
+
+    def _echo(self, prompt: list[int], decoder: Decoder, params: RequestParams) -> tandem_pb2.PromptEcho:
+        """The prompt, as the first delta carries it back (echo, prompt_logprobs)."""
+        echo = tandem_pb2.PromptEcho(token_ids=prompt,
+                                     text=self.tokenizer.decode(prompt) if self.tokenizer is not None else "")
+        if params.prompt_logprobs is not None:
+            scores = decoder.prompt_scores or []
+            if len(scores) != len(prompt) - 1:
+                raise RuntimeError(f"the target service scored {len(scores)} of the prompt's {len(prompt) - 1} "
+                                   "tokens after its first (a service older than the request?)")
+            echo.logprobs.extend(_token_logprobs(prompt[1:], scores, self.tokenizer))
+        return echo
 
     def _end_ids(self, params: RequestParams) -> frozenset[int]:
         """The tokens that end the request as end of sequence."""

@@ -41,20 +41,23 @@ class InProcessVerifier:
         self.verifier = verifier  # target_service.verifier.Verifier
 
     async def verify(self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
-                     sampling: SamplingParams, logprobs: int | None = None) -> VerifyResult:
+                     sampling: SamplingParams, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None) -> VerifyResult:
         import torch
 
         from target_service.verifier import VerifyCall
 
         dists = torch.stack([decode_distribution(d) for d in block.distributions]) if block.distributions else None
         call = VerifyCall(session_id, prefix.length, prefix.fingerprint, list(new_tokens), list(block.tokens),
-                          list(block.token_probs), dists, sampling, tuple(enumerate(block.alternatives)), logprobs)
+                          list(block.token_probs), dists, sampling, tuple(enumerate(block.alternatives)), logprobs,
+                          prompt_logprobs)
         try:
             outcome = self.verifier.verify(call)
         except CacheMiss as miss:
             raise ServiceCacheMiss(str(miss)) from None
         return VerifyResult(outcome.accepted, outcome.next_token, list(outcome.more_tokens), outcome.prefilled,
-                            outcome.compute_ms, logprobs=list(outcome.logprobs))
+                            outcome.compute_ms, logprobs=list(outcome.logprobs),
+                            new_token_logprobs=list(outcome.new_token_logprobs))
 
     async def release(self, session_id: str) -> None:
         self.verifier.store.release(session_id)

@@ -199,6 +199,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             seeded=msg.HasField("seed"),
             logprobs=(msg.top_logprobs if msg.HasField("top_logprobs") else 0) if msg.logprobs else None,
             ignore_eos=msg.ignore_eos,
+            echo=msg.echo,
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             stop_token_ids=frozenset(self._check_ids(list(msg.stop_token_ids), "stop_token_ids")),
         )
 
@@ -250,7 +252,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             self._check_room(0, len(prompt), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        record, cached = await self._session_for(tenant, prompt, messages)
+        # The prompt's log probabilities need every prompt token run in this request.
+        record, cached = await self._session_for(tenant, prompt, messages, reuse=params.prompt_logprobs is None)
         keeps_history = messages is not None and request.keep_session  # Chat may continue the conversation
         finished = False
         try:
@@ -284,6 +287,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         user = None
         try:
             params = self._params(request.params)
+            if params.echo or params.prompt_logprobs is not None:
+                raise ValueError("echo and prompt_logprobs are Generate's: a Chat turn is not a prompt of its own")
             if request.WhichOneof("turn") == "user_message":
                 if not request.user_message:
                     raise ValueError("the user message is empty")
@@ -402,11 +407,11 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     "the tokens streamed so far are committed",
                 )
 
-    async def _session_for(self, tenant: str, prompt: list[int], messages: list[dict] | None):
+    async def _session_for(self, tenant: str, prompt: list[int], messages: list[dict] | None, reuse: bool = True):
         """A Generate's session, and how many of the prompt's first tokens it
         holds: a parked one that shares the prompt's prefix (--prefix-cache),
-        else a new one."""
-        if self.prefix_cache is not None:
+        else (or without `reuse`) a new one."""
+        if self.prefix_cache is not None and reuse:
             taken = await self.prefix_cache.take(tenant, prompt)
             if taken is not None:
                 record, cached = taken

@@ -28,6 +28,7 @@ class Result:
     cached_prompt_tokens: int = 0  # of prompt_tokens, those a parked session held (--prefix-cache)
     stats: tandem_pb2.SpeculationStats | None = None
     logprobs: list[tandem_pb2.TokenLogprob] = field(default_factory=list)  # one a token, when asked (logprobs=True)
+    prompt: tandem_pb2.PromptEcho | None = None  # echo=True or prompt_logprobs=N: the prompt, scored if asked
 
     @property
     def acceptance_rate(self) -> float:
@@ -49,6 +50,7 @@ class Result:
             **({"logprobs": [MessageToDict(lp, preserving_proto_field_name=True,
                                            always_print_fields_with_no_presence=True) for lp in self.logprobs]}
                if self.logprobs else {}),
+            **({"prompt": MessageToDict(self.prompt, preserving_proto_field_name=True)} if self.prompt else {}),
         }
 
 
@@ -127,6 +129,8 @@ def collect(events, on_delta=None) -> Result:
             result.token_ids.extend(event.delta.token_ids)
             result.text += event.delta.text
             result.logprobs.extend(event.delta.logprobs)
+            if event.delta.HasField("prompt"):
+                result.prompt = event.delta.prompt
             if on_delta is not None:
                 on_delta(event.delta)
         else:

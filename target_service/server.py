@@ -121,6 +121,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         return VerifyCall(
             alternatives=self._alternatives(request, draft_tokens, sampling),
             logprobs=request.top_logprobs if request.return_logprobs else None,
+            prompt_logprobs=request.top_logprobs if request.return_new_token_logprobs else None,
             session_id=request.session_id,
             prefix_len=request.prefix.length,
             prefix_fp=request.prefix.fingerprint,
@@ -201,9 +202,14 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                 compute_ms=outcome.compute_ms,
                 handler_ms=(time.perf_counter() - started) * 1e3,
                 more_tokens=outcome.more_tokens,
-                logprobs=[target_pb2.TokenLogprobs(logprob=lp.logprob, top_tokens=lp.top_tokens,
-                                                   top_logprobs=lp.top_logprobs) for lp in outcome.logprobs],
+                logprobs=_wire_logprobs(outcome.logprobs),
+                new_token_logprobs=_wire_logprobs(outcome.new_token_logprobs),
             )
+
+
+def _wire_logprobs(logprobs) -> list[target_pb2.TokenLogprobs]:
+    return [target_pb2.TokenLogprobs(logprob=lp.logprob, top_tokens=lp.top_tokens, top_logprobs=lp.top_logprobs)
+            for lp in logprobs]
 
 
 def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto",

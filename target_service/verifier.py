@@ -17,6 +17,7 @@ from tandem.sampling import SamplingParams
 from tandem.session_cache import SessionCacheStore
 
 log = logging.getLogger(__name__)
+PROMPT_CHUNK = 128  # new tokens a forward when their log probabilities are asked
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class VerifyCall:
     sampling: SamplingParams
     alternatives: tuple[tuple[int, int], ...] = ()  # greedy: (draft position, token) verified beside the block
     logprobs: int | None = None  # None: none; n: each committed token's log probability and the top n's
+    prompt_logprobs: int | None = None  # as logprobs, for the new tokens after the first (a prompt's)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class VerifyOutcome:
     compute_ms: float
     more_tokens: tuple[int, ...] = ()  # committed after next_token (an alternative was taken)
     logprobs: tuple[TokenLogprobs, ...] = ()  # one for each committed token, when the call asked
+    new_token_logprobs: tuple[TokenLogprobs, ...] = ()  # one for each new token after the first, when asked
 
 
 class Verifier:
@@ -55,8 +58,11 @@ class Verifier:
         k = len(call.draft_tokens)
         first_draft_pos = len(cache) + len(call.new_tokens)  # absolute position of draft token 0
         cache.append(call.new_tokens + call.draft_tokens)
-        tree = bool(call.alternatives and k and call.sampling.greedy and self.runner.verifies_trees)
+        tree = self._as_tree(call)
+        new_token_logprobs = ()
         try:
+            if call.prompt_logprobs is not None:
+                new_token_logprobs = self._feed_scored(cache, call)
             verdict, logprobs = (self._verify_tree if tree else self._verify_block)(cache, call, first_draft_pos)
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused
@@ -70,7 +76,29 @@ class Verifier:
             compute_ms=(time.perf_counter() - start) * 1e3,
             more_tokens=verdict.more_tokens,
             logprobs=logprobs,
+            new_token_logprobs=new_token_logprobs,
         )
+
+    def _as_tree(self, call: VerifyCall) -> bool:
+        """Whether the call's alternatives are verified beside its block."""
+        return bool(call.alternatives and call.draft_tokens and call.sampling.greedy and self.runner.verifies_trees
+                    and call.prompt_logprobs is None)
+
+    def _feed_scored(self, cache, call: VerifyCall) -> tuple[TokenLogprobs, ...]:
+        """Runs the call's new tokens but the last through the model, in chunks
+        of PROMPT_CHUNK, keeping every row's logits only for its chunk (a row of
+        the default target's is 0.6 MB in float32), and returns the log
+        probability of each new token after the first. The last new token is
+        left to the block's forward, which gives the row after it."""
+        unfed = cache.unfed()
+        before = len(unfed) - len(call.draft_tokens)  # the new tokens
+        scored = []
+        for start in range(0, before - 1, PROMPT_CHUNK):
+            chunk = unfed[start: min(start + PROMPT_CHUNK, before - 1)]
+            rows = self.runner.forward(cache.kv, chunk, logits_to_keep=len(chunk))
+            scored.extend(token_logprobs(rows, unfed[start + 1: start + 1 + len(chunk)], call.prompt_logprobs))
+            cache.kv_len += len(chunk)
+        return tuple(scored)
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
         """Several sessions' calls (distinct sessions) at once: their blocks go
@@ -85,8 +113,8 @@ class Verifier:
         results: list[VerifyOutcome | Exception | None] = [None] * len(calls)
         joined = []  # (index, cache, cropped, first draft position)
         for index, call in enumerate(calls):
-            if call.alternatives and call.draft_tokens and call.sampling.greedy and self.runner.verifies_trees:
-                continue
+            if self._as_tree(call) or call.prompt_logprobs is not None:
+                continue  # run alone, after the batch
             try:
                 cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
             except Exception as err:  # CacheMiss

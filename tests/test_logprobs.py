@@ -128,3 +128,43 @@ def test_bad_logprob_requests_are_invalid_argument(cluster):
         with pytest.raises(grpc.RpcError) as caught:
             stub.Verify(request, timeout=30)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in caught.value.details()
+
+
+def test_prompt_logprobs_are_the_target_alones_and_need_the_whole_prompt_run(cluster, tiny_models):
+    """A prompt longer than the target's chunk of scored rows comes back with
+    each token's log probability after the first, as one forward of the target
+    alone gives it; the completion is unchanged. A second request with the same
+    prompt runs it whole again (a parked session's prefix has no rows to score)."""
+    from target_service.verifier import PROMPT_CHUNK
+
+    target = tiny_models["target"]
+    prompt = [(7 * i + i * i) % 128 for i in range(2 * PROMPT_CHUNK + 45)]
+    reference = reference_logprobs(target, prompt[:1], prompt[1:])
+    expected = reference_greedy(target, prompt, 8)
+    with cluster.client() as client:
+        for _ in range(2):
+            result = client.generate(prompt_ids=prompt, max_tokens=8, prompt_logprobs=3, logprobs=True)
+            assert result.token_ids == expected and result.cached_prompt_tokens == 0
+            assert list(result.prompt.token_ids) == prompt
+            scored = result.prompt.logprobs
+            assert [lp.token_id for lp in scored] == prompt[1:]
+            values = torch.tensor([lp.logprob for lp in scored])
+            torch.testing.assert_close(values, reference[torch.arange(len(prompt) - 1), prompt[1:]],
+                                       atol=ATOL, rtol=0)
+            for lp, row in zip(scored, reference):
+                assert [t.logprob for t in lp.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=ATOL)
+            assert_match(result, reference_logprobs(target, prompt, expected), top=0)
+        echoed = client.generate(prompt_ids=prompt, max_tokens=8, echo=True)  # reuses the prefix: no scores
+        assert list(echoed.prompt.token_ids) == prompt and not echoed.prompt.logprobs
+        assert echoed.cached_prompt_tokens > PROMPT_CHUNK  # so the scored requests above chose not to
+        assert echoed.token_ids == expected and not client.generate(prompt_ids=prompt, max_tokens=2).prompt
+        for params in (dict(prompt_logprobs=MAX_TOP_LOGPROBS + 1), dict(prompt_logprobs=-1)):
+            with pytest.raises(grpc.RpcError) as caught:
+                client.generate(prompt_ids=prompt, max_tokens=2, **params)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in caught.value.details()
+        session = client.create_session()
+        with pytest.raises(grpc.RpcError) as caught:
+            client.chat(session, message_ids=[1, 2, 3], max_tokens=2, echo=True)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Generate's" in caught.value.details()
+        assert client.chat(session, message_ids=[1, 2, 3], max_tokens=2).completion_tokens == 2
+        client.delete_session(session)
