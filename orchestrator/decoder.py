@@ -46,6 +46,7 @@ class Decoder:
         end_ids: frozenset[int] = frozenset(),
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        plain_first: bool = False,
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -64,6 +65,11 @@ class Decoder:
         self.request_span = request_span  # parent of the round spans while tracing
         self.breaker = breaker if breaker is not None else DraftBreaker(enabled=False)
         self.prefill_overlap = prefill_overlap
+        # With prefill_overlap: the first round decodes on the target alone,
+        # beside the draft's, even with no prompt to prefill (a prompt whose
+        # caches a parked session held), so that a seeded sampled request's
+        # first token is a plain draw whether or not its prefix was cached.
+        self.plain_first = plain_first
         # Greedy only: the draft's runner-ups of a block's first tree_width tokens
         # are verified beside it (a token tree one level off the block).
         self.tree_width = tree_width if sampling.greedy else 0
@@ -317,7 +323,7 @@ class Decoder:
         tasks: list[asyncio.Task | None] = []
         span = self._open_round(predrafted=False)
         try:
-            if self.prefill_overlap and self._prefills():
+            if self.prefill_overlap and (self.plain_first or self._prefills()):
                 block, verify_task, pre_task = self._launch_prefill(span)
             else:
                 block = await self._draft(self.policy.k, span)

@@ -166,7 +166,7 @@ class Generation:
             self.breaker, self.prefill_overlap(params), self.config.tree_width,
             end=min(self.config.max_context, len(record.tokens) + params.max_tokens),
             end_ids=self._end_ids(params) | params.stop_token_ids, logprobs=params.logprobs,
-            prompt_logprobs=params.prompt_logprobs,
+            prompt_logprobs=params.prompt_logprobs, plain_first=params.seeded and not params.sampling.greedy,
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer)
@@ -272,6 +272,7 @@ class Generation:
                 raise RuntimeError(f"the target service scored {len(scores)} of the prompt's {len(prompt) - 1} "
                                    "tokens after its first (a service older than the request?)")
             echo.logprobs.extend(_token_logprobs(prompt[1:], scores, self.tokenizer))
+            echo.first_token = self.tokenizer.decode(prompt[:1]) if self.tokenizer is not None else ""
         return echo
 
     def _end_ids(self, params: RequestParams) -> frozenset[int]:

@@ -176,19 +176,20 @@ class Gateway:
         finals: dict[int, tandem_pb2.Completion] = {}
         try:
             ended = 0
-            while ended < call.n:
+            while ended < call.choices:
                 index, event = await queue.get()
                 if isinstance(event, grpc.aio.AioRpcError):
                     raise event
                 if event is None:
                     ended += 1
                 elif event.HasField("delta"):
-                    await _send(out, chunks.delta(index, event.delta))
+                    for chunk in chunks.delta(index, event.delta):
+                        await _send(out, chunk)
                 else:
                     finals[index] = event.final
                     await _send(out, chunks.final(index, event.final))
-            if call.include_usage and len(finals) == call.n:
-                await _send(out, chunks.usage([finals[i] for i in range(call.n)]))
+            if call.include_usage and len(finals) == call.choices:
+                await _send(out, chunks.usage([finals[i] for i in range(call.choices)]))
         except grpc.aio.AioRpcError as err:
             await _send(out, ApiError.from_rpc(err).body())
         except (ConnectionResetError, asyncio.CancelledError):

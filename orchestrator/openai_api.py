@@ -18,6 +18,7 @@ from tandem.v1 import tandem_pb2
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
 MAX_CHOICES = 16  # "n": each choice is a generation of its own
+MAX_BATCH = 64  # a completion's prompts times n
 
 FINISH_REASONS = {  # Tandem's finish reason -> OpenAI's
     tandem_pb2.FINISH_REASON_EOS: "stop",
@@ -50,7 +51,6 @@ UNSUPPORTED = {
     "frequency_penalty": ((0, 0.0), CHANGES_SAMPLING),
     "logit_bias": (({},), CHANGES_SAMPLING),
     "best_of": ((1,), CHANGES_SAMPLING),
-    "echo": ((False,), "send the prompt back yourself"),
     "suffix": (("",), "there is no insertion mode"),
     "tools": (([],), "there is no tool calling"),
     "functions": (([],), "there is no tool calling"),
@@ -85,24 +85,37 @@ def invalid(param: str, message: str) -> ApiError:
 class Call:
     """One request, translated: what to send, and how to answer."""
 
-    request: tandem_pb2.GenerateRequest
+    prompts: tuple[tandem_pb2.GenerateRequest, ...]  # one a prompt (a batch of completions), each with the params
     chat: bool  # /v1/chat/completions, else /v1/completions
     stream: bool
     include_usage: bool  # streamed: a last chunk with the usage (stream_options.include_usage)
     return_token_ids: bool  # each choice (and chunk) also carries its token ids
     model: str | None  # as the client named it; None = not named
-    n: int = 1  # choices: one Generate call each
+    n: int = 1  # choices a prompt: one Generate call each
+    echo: tuple[str | None, ...] = ()  # "echo": each prompt's text as sent (None: token ids, the server decodes)
+    prompt_only: bool = False  # "echo" with "max_tokens": 0: the choices hold the prompt alone
+
+    @property
+    def request(self) -> tandem_pb2.GenerateRequest:
+        """The first prompt's call (all share the params)."""
+        return self.prompts[0]
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
 
     def requests(self) -> list[tandem_pb2.GenerateRequest]:
-        """The Generate call of each choice. With a seed, choice i samples with
-        seed + i (mod 2**64), so that the choices differ and each is reproducible."""
+        """The Generate call of each choice, choice p * n + i being prompt p's
+        i-th. With a seed, the i-th choice of a prompt samples with seed + i
+        (mod 2**64), so that a prompt's choices differ and each is reproducible."""
         calls = []
-        for i in range(self.n):
-            request = tandem_pb2.GenerateRequest()
-            request.CopyFrom(self.request)
-            if i and request.params.HasField("seed"):
-                request.params.seed = (request.params.seed + i) % (UINT64_MAX + 1)
-            calls.append(request)
+        for prompt in self.prompts:
+            for i in range(self.n):
+                request = tandem_pb2.GenerateRequest()
+                request.CopyFrom(prompt)
+                if i and request.params.HasField("seed"):
+                    request.params.seed = (request.params.seed + i) % (UINT64_MAX + 1)
+                calls.append(request)
         return calls
 
 
@@ -190,7 +203,7 @@ def _params(body: dict, max_tokens_names: tuple[str, ...], chat: bool) -> tandem
     return params
 
 
-def _common(body, chat: bool, request: tandem_pb2.GenerateRequest) -> Call:
+def _common(body, chat: bool, prompts: list[tandem_pb2.GenerateRequest], echo=(), prompt_only=False) -> Call:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", "'model' must be a string")
@@ -201,28 +214,51 @@ def _common(body, chat: bool, request: tandem_pb2.GenerateRequest) -> Call:
     if options and not stream:
         raise invalid("stream_options", "'stream_options' needs 'stream': true")
     n = _number(body, "n", 1, MAX_CHOICES, integer=True) or 1
-    return Call(request=request, chat=chat, stream=stream, include_usage=_flag(options, "include_usage"),
-                return_token_ids=_flag(body, "return_token_ids"), model=model or None, n=n)
+    if len(prompts) * n > MAX_BATCH:
+        raise invalid("prompt", f"at most {MAX_BATCH} choices a request: {len(prompts)} prompts times n = {n}")
+    return Call(prompts=tuple(prompts), chat=chat, stream=stream, include_usage=_flag(options, "include_usage"),
+                return_token_ids=_flag(body, "return_token_ids"), model=model or None, n=n, echo=tuple(echo),
+                prompt_only=prompt_only)
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
 
 
 def completion_call(body) -> Call:
-    """POST /v1/completions. The prompt is text or a list of token ids (a batch
-    of one of either is taken too)."""
+    """POST /v1/completions. The prompt is text or a list of token ids, or a
+    batch of either: a list of strings or of token id lists, each prompt a
+    Generate call (and n of them), its choices at index p * n + i. "echo"
+    returns each prompt before its completion, with "logprobs" its tokens'
+    (the first's is null); "max_tokens": 0 with it, the prompt alone, as
+    lm-evaluation-harness's loglikelihood requests ask."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens",), chat=False))
-    if isinstance(prompt, str):
-        request.text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid("prompt", "one prompt a request: send a batch as separate requests")
-    else:
-        raise invalid("prompt", "'prompt' must be a string or a non-empty list of token ids")
-    return _common(body, False, request)
+    batch = [prompt]
+    if isinstance(prompt, list) and prompt and not _is_ids(prompt) and all(isinstance(p, (str, list)) for p in prompt):
+        batch = prompt  # several prompts
+    echo = _flag(body, "echo")
+    prompt_only = echo and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    params = _params({**body, "max_tokens": 1} if prompt_only else body, ("max_tokens",), chat=False)
+    if echo:
+        params.echo = True
+        if params.logprobs:
+            params.prompt_logprobs = params.top_logprobs
+    prompts = []
+    for i, one in enumerate(batch):
+        request = tandem_pb2.GenerateRequest(params=params)
+        if isinstance(one, str):
+            request.text = one
+        elif _is_ids(one):
+            request.token_ids.ids.extend(one)
+        else:
+            where = f"prompt[{i}]" if len(batch) > 1 else "prompt"
+            raise invalid("prompt", f"'{where}' must be a string or a non-empty list of token ids")
+        prompts.append(request)
+    texts = [one if isinstance(one, str) else None for one in batch] if echo else []
+    return _common(body, False, prompts, texts, prompt_only)
 
 
 def _content(i: int, content) -> str:
@@ -246,25 +282,30 @@ def chat_call(body) -> Call:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list")
+    if _flag(body, "echo"):
+        raise invalid("echo", "'echo' is a completion's parameter: a chat completion does not echo")
     request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens", "max_completion_tokens"), chat=True))
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise invalid(f"messages[{i}]", "each message must be an object with a 'role'")
         request.messages.messages.add(role=message["role"], content=_content(i, message.get("content")))
-    return _common(body, True, request)
+    return _common(body, True, [request])
 
 
 def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(finals: list[tandem_pb2.Completion]) -> dict:
-    """The usage of a request's choices: the prompt once, the completions'
-    tokens summed, and the prompt's tokens that every choice found cached."""
-    prompt = finals[0].usage.prompt_tokens
-    completion = sum(final.usage.completion_tokens for final in finals)
+def usage(call: Call, finals: list[tandem_pb2.Completion]) -> dict:
+    """The usage of a request's choices: each prompt once, the completions'
+    tokens summed (none when the choices hold the prompt alone), and of each
+    prompt the tokens that every one of its choices found cached."""
+    per_prompt = [finals[p * call.n: (p + 1) * call.n] for p in range(len(call.prompts))]
+    prompt = sum(choices[0].usage.prompt_tokens for choices in per_prompt)
+    completion = 0 if call.prompt_only else sum(final.usage.completion_tokens for final in finals)
+    cached = sum(min(f.usage.cached_prompt_tokens for f in choices) for choices in per_prompt)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": min(f.usage.cached_prompt_tokens for f in finals)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def speculation(final: tandem_pb2.Completion) -> dict:
@@ -296,14 +337,36 @@ def completion_logprobs(logprobs, offset: int = 0) -> dict:
     and where each token starts in the completion's text, from `offset`."""
     answer = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in logprobs:
-        top = {alt.token: _finite(alt.logprob) for alt in lp.top_logprobs}
-        top.setdefault(lp.token, _finite(lp.logprob))
+        top = None
+        if lp.logprob is not None:  # None: a prompt's first token
+            top = {alt.token: _finite(alt.logprob) for alt in lp.top_logprobs}
+            top.setdefault(lp.token, _finite(lp.logprob))
         answer["tokens"].append(lp.token)
-        answer["token_logprobs"].append(_finite(lp.logprob))
+        answer["token_logprobs"].append(None if lp.logprob is None else _finite(lp.logprob))
         answer["top_logprobs"].append(top)
         answer["text_offset"].append(offset)
         offset += len(lp.token)
     return answer
+
+
+@dataclass(frozen=True)
+class _Unscored:
+    """A prompt's first token: no position predicts it."""
+
+    token: str
+    logprob: None = None
+    top_logprobs: tuple = ()
+
+
+def _prompt_logprobs(prompt: tandem_pb2.PromptEcho) -> list:
+    return [_Unscored(prompt.first_token), *prompt.logprobs]
+
+
+def _echo_text(call: Call, index: int, prompt: tandem_pb2.PromptEcho) -> str:
+    """Choice `index`'s prompt as it comes back: the text sent, or the
+    server's decoding of the token ids sent."""
+    sent = call.echo[index // call.n]
+    return sent if sent is not None else prompt.text
 
 
 def _choice_logprobs(call: Call, logprobs, offset: int = 0) -> dict | None:
@@ -320,11 +383,14 @@ class Answer:
     ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # TokenLogprobs, when the request asked
     final: tandem_pb2.Completion | None = None
+    prompt: tandem_pb2.PromptEcho | None = None  # echo
 
     def add(self, delta: tandem_pb2.TokenDelta) -> None:
         self.text += delta.text
         self.ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
+        if delta.HasField("prompt"):
+            self.prompt = delta.prompt
 
 
 def response(call: Call, model: str, answers: list[Answer]) -> dict:
@@ -332,20 +398,30 @@ def response(call: Call, model: str, answers: list[Answer]) -> dict:
     speculation stats; with n > 1, a list of each choice's."""
     choices = []
     for index, answer in enumerate(answers):
-        choice = {"index": index, "finish_reason": FINISH_REASONS.get(answer.final.finish_reason, "stop"),
-                  "logprobs": _choice_logprobs(call, answer.logprobs)}
+        text, ids, logprobs = answer.text, answer.ids, answer.logprobs
+        if call.prompt_only:
+            text, ids, logprobs = "", [], []
+        if call.echo:
+            text = _echo_text(call, index, answer.prompt) + text
+            logprobs = _prompt_logprobs(answer.prompt) + list(logprobs)
+        choice = {"index": index, "finish_reason": _finish_reason(call, answer.final),
+                  "logprobs": _choice_logprobs(call, logprobs)}
         if call.chat:
-            choice["message"] = {"role": "assistant", "content": answer.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = answer.text
+            choice["text"] = text
         if call.return_token_ids:
-            choice["token_ids"] = answer.ids
+            choice["token_ids"] = ids
         choices.append(choice)
     finals = [answer.final for answer in answers]
     stats = [speculation(final) for final in finals]
     return {"id": new_id(call.chat), "object": "chat.completion" if call.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices, "usage": usage(finals),
-            "tandem": stats[0] if call.n == 1 else stats}
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage(call, finals),
+            "tandem": stats[0] if call.choices == 1 else stats}
+
+
+def _finish_reason(call: Call, final: tandem_pb2.Completion) -> str:
+    return "length" if call.prompt_only else FINISH_REASONS.get(final.finish_reason, "stop")
 
 
 class Chunks:
@@ -357,7 +433,7 @@ class Chunks:
         self.call, self.model = call, model
         self.id, self.created = new_id(call.chat), int(time.time())
         self._role_sent: set[int] = set()  # choices whose first chunk went out
-        self._offset = [0] * call.n  # where each choice's next token starts in its text (text_offset)
+        self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
 
     def _chunk(self, choices: list[dict], **more) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.call.chat else "text_completion",
@@ -383,14 +459,22 @@ class Chunks:
             choice["token_ids"] = ids
         return choice
 
-    def delta(self, index: int, delta: tandem_pb2.TokenDelta) -> dict:
-        return self._chunk([self._choice(index, delta.text, list(delta.token_ids), None, delta.logprobs)])
+    def delta(self, index: int, delta: tandem_pb2.TokenDelta) -> list[dict]:
+        """The chunks of a delta of choice `index`: with echo, the prompt's
+        first (it comes with the choice's first delta)."""
+        chunks = []
+        if self.call.echo and delta.HasField("prompt"):
+            chunks.append(self._chunk([self._choice(index, _echo_text(self.call, index, delta.prompt), [], None,
+                                                    _prompt_logprobs(delta.prompt))]))
+        if not self.call.prompt_only:
+            chunks.append(self._chunk([self._choice(index, delta.text, list(delta.token_ids), None, delta.logprobs)]))
+        return chunks
 
     def final(self, index: int, final: tandem_pb2.Completion) -> dict:
-        reason = FINISH_REASONS.get(final.finish_reason, "stop")
+        reason = _finish_reason(self.call, final)
         return self._chunk([self._choice(index, "" if self.call.chat else None, [], reason)],
                            tandem=speculation(final))
 
     def usage(self, finals: list[tandem_pb2.Completion]) -> dict:
         """The last chunk, when the request asked (stream_options.include_usage)."""
-        return self._chunk([], usage=usage(finals))
+        return self._chunk([], usage=usage(self.call, finals))

@@ -240,12 +240,63 @@ def test_n_choices_are_generations_of_their_own(http, char_models):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
 
 
+def test_echo_and_batches_serve_loglikelihood_requests_as_lm_eval_sends_them(http, char_models):
+    """lm-evaluation-harness's loglikelihood request: a batch of token id
+    prompts, "echo", "max_tokens": 0, "logprobs": 1, greedy. Each choice holds
+    its prompt alone, each token's log probability but the first's as the
+    target alone gives it. With tokens to generate, the completion follows the
+    prompt; a batch's choices come at index p * n + i; streamed, the prompt
+    comes first."""
+    _, base, tokenizer = http
+    target = char_models["target"]
+    texts = ["def fib(n):", "Once upon a time", "The sea"]
+    batch = [tokenizer.encode(t) for t in texts]
+    answer = client(base).completions.create(model="tandem-tiny", prompt=batch, echo=True, max_tokens=0, logprobs=1,
+                                             temperature=0)
+    assert [c.index for c in answer.choices] == [0, 1, 2] and answer.usage.completion_tokens == 0
+    assert answer.usage.prompt_tokens == sum(len(ids) for ids in batch)
+    for choice, ids in zip(answer.choices, batch):
+        text = tokenizer.decode(ids)  # token ids come back as the server decodes them
+        assert choice.text == text and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        reference = reference_logprobs(target, ids[:1], ids[1:])
+        for i, (token, value, top) in enumerate(zip(ids[1:], lp.token_logprobs[1:], lp.top_logprobs[1:])):
+            assert value == pytest.approx(reference[i, token].item(), abs=ATOL)
+            assert chr(reference[i].argmax().item()) in top  # the likeliest, and the token itself
+        assert lp.text_offset == list(range(len(text)))
+
+    ids = batch[0]
+    expected = reference_greedy(target, ids, 6)
+    body = dict(model="tandem-tiny", prompt=texts[0], echo=True, max_tokens=6, logprobs=2, temperature=0)
+    whole = client(base).completions.create(**body).choices[0]
+    assert whole.text == texts[0] + tokenizer.decode(expected)  # a text prompt comes back as sent
+    reference = reference_logprobs(target, ids[:1], ids[1:] + expected)
+    assert whole.logprobs.token_logprobs[1:] == pytest.approx(
+        [reference[i, t].item() for i, t in enumerate(ids[1:] + expected)], abs=ATOL)
+    chunks = list(client(base).completions.create(**body, stream=True))
+    assert chunks[0].choices[0].text == texts[0]  # the prompt first, then the rounds' tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)
+
+    several = client(base).completions.create(model="tandem-tiny", prompt=texts, n=2, max_tokens=8, temperature=0,
+                                              extra_body={"return_token_ids": True})
+    assert [c.index for c in several.choices] == list(range(6))
+    for choice in several.choices:
+        assert choice.token_ids == reference_greedy(target, batch[choice.index // 2], 8)
+    with pytest.raises(openai.BadRequestError, match="a chat completion does not echo"):
+        client(base).chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "x"}],
+                                             extra_body={"echo": True})
+
+
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "temperature"),
     (dict(n=17), "n", "'n' must be in [1, 16]"),
     (dict(frequency_penalty=0.5), "frequency_penalty", "not supported"),
     (dict(extra_body={"logit_bias": {"5": 10}}), "logit_bias", "not supported"),
-    (dict(echo=True), "echo", "not supported"),
+    (dict(echo=True, suffix="x"), "suffix", "not supported"),
     (dict(logprobs=21), "logprobs", "'logprobs' must be in [0, 20]"),
     (dict(extra_body={"top_logprobs": 2}), "top_logprobs", "a completion takes 'logprobs': N"),
     (dict(top_p=0), "top_p", "top_p"),
@@ -269,7 +320,9 @@ def test_other_errors_carry_openais_body_and_status(http):
     assert caught.value.body["code"] == "model_not_found" and "tandem-tiny" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="with a 'role'"):
         client(base).chat.completions.create(model="tandem-tiny", messages=[{"role": "", "content": "x"}])
-    for body, words in [({"prompt": ["a", "b"]}, "one prompt a request"), ({"prompt": [1, "a"]}, "list of token ids"),
+    for body, words in [({"prompt": ["a"] * 65}, "at most 64 choices"), ({"prompt": [1, "a"]}, "list of token ids"),
+                        ({"prompt": ["b", ["a"]]}, "'prompt[1]' must be"), ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "a", "echo": 1}, "'echo' must be true or false"),
                         ({"prompt": []}, "list of token ids"), ({"prompt": "hi", "stream_options": {}}, None),
                         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "'stream': true")]:
         request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
@@ -303,7 +356,7 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_generation(http):
 
     tenant = f"http-cancel-{time.time_ns()}"  # its own: it can take no other request's parked session
     store = redis.Redis.from_url(REDIS_URL)
-    held = cluster.run(_cached_sessions(cluster))  # parked sessions of the tests before (--prefix-cache)
+    held = _settled_sessions(cluster)  # parked sessions of the tests before (--prefix-cache)
     request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json", "x-tandem-tenant": tenant})
     before = cluster.target.calls
@@ -326,6 +379,20 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_generation(http):
 
 async def _cached_sessions(cluster) -> tuple[int, int]:
     return len(cluster.target.store), len(cluster.draft.store)
+
+
+def _settled_sessions(cluster) -> tuple[int, int]:
+    """The services' sessions once the requests before have ended and their
+    sessions are parked (parking one past --prefix-cache's limit releases the
+    oldest, a moment after the request's end)."""
+    deadline, last = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        now = cluster.run(_cached_sessions(cluster))
+        if now == last and cluster.orchestrator.active_requests == 0:
+            return now
+        last = now
+        time.sleep(0.2)
+    raise AssertionError("the services' sessions did not settle")
 
 
 def test_an_orchestrator_at_its_request_limit_answers_429(char_models):
