@@ -18,7 +18,8 @@ import time
 import grpc
 from aiohttp import web
 
-from orchestrator.openai_api import Answer, ApiError, Call, Chunks, chat_call, completion_call, response
+from orchestrator.openai_api import (Answer, ApiError, Call, Chunks, chat_call, completion_call, detokenize_request,
+                                     response, tokenize_request)
 from tandem import serving
 from tandem.serving import MAX_MESSAGE_BYTES
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -47,6 +48,9 @@ class Gateway:
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/tokenizer_info", self.tokenizer_info),
         ])
 
     async def close(self) -> None:
@@ -100,6 +104,33 @@ class Gateway:
         name = await self.model_name()
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (rendered
+        with the chat template and the assistant's prompt), and
+        "add_special_tokens" (default true) -> {"count", "max_model_len", "tokens"}."""
+        body = await self._body(request)
+        tokenize = tokenize_request(body)
+        reply = await self.stub.Tokenize(tokenize, metadata=self._metadata(request))
+        info = await self.stub.GetServerInfo(tandem_pb2.GetServerInfoRequest(), timeout=INFO_TIMEOUT_S)
+        return web.json_response({"count": len(reply.token_ids), "max_model_len": info.max_context,
+                                  "tokens": list(reply.token_ids), "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: {"tokens": [...]} -> {"prompt": text}."""
+        body = await self._body(request)
+        reply = await self.stub.Tokenize(detokenize_request(body), metadata=self._metadata(request))
+        return web.json_response({"prompt": reply.text})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenizer_info: the special tokens and the chat template."""
+        info = await self.stub.GetServerInfo(tandem_pb2.GetServerInfoRequest(), timeout=INFO_TIMEOUT_S)
+        if not info.has_tokenizer:
+            raise ApiError(404, "the model has no tokenizer", "not_found_error")
+        t = info.tokenizer
+        return web.json_response({"tokenizer_class": t.tokenizer_class, "eos_token": t.eos_token or None,
+                                  "bos_token": t.bos_token or None, "pad_token": t.pad_token or None,
+                                  "chat_template": t.chat_template or None, "model_max_length": info.max_context})
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while the orchestrator answers with its model pair, else 503."""

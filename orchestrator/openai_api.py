@@ -292,6 +292,32 @@ def chat_call(body) -> Call:
     return _common(body, True, [request])
 
 
+def tokenize_request(body) -> tandem_pb2.TokenizeRequest:
+    """vLLM's /tokenize body: "prompt" (text) or "messages", and "add_special_tokens"."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    request = tandem_pb2.TokenizeRequest()
+    if body.get("messages") is not None:
+        request.messages.CopyFrom(chat_call({"messages": body["messages"]}).request.messages)
+    elif isinstance(body.get("prompt"), str):
+        request.text = body["prompt"]
+        if body.get("add_special_tokens") is not None:
+            request.add_special_tokens = _flag(body, "add_special_tokens")
+    else:
+        raise invalid("prompt", "give 'prompt' (a string) or 'messages'")
+    return request
+
+
+def detokenize_request(body) -> tandem_pb2.TokenizeRequest:
+    """vLLM's /detokenize body: "tokens", a list of token ids."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise invalid("tokens", "'tokens' must be a list of token ids")
+    request = tandem_pb2.TokenizeRequest()
+    request.token_ids.ids.extend(tokens)
+    return request
+
+
 def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 

@@ -341,7 +341,40 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             prefix_cache_sessions=self.config.prefix_cache.sessions,
             tenant_max_requests=self.config.quotas.max_requests,
             tenant_tokens_per_minute=self.config.quotas.tokens_per_minute,
+            tokenizer=self._tokenizer_info(),
         )
+
+    @store_unavailable
+    async def Tokenize(self, request, context):
+        await self._tenant(context)  # with --api-keys, a call needs a key
+        await self._ready(context)
+        try:
+            kind = request.WhichOneof("input")
+            if kind == "token_ids":
+                ids = self._check_ids(list(request.token_ids.ids))
+                if self.tokenizer is None:
+                    raise ValueError("the model has no tokenizer: its token ids have no text")
+                return tandem_pb2.TokenizeReply(token_ids=ids, text=self.tokenizer.decode(ids))
+            if kind == "messages":
+                messages = self._messages(request.messages.messages)
+                return tandem_pb2.TokenizeReply(token_ids=self.template.first_turn(messages),
+                                                text=self.template.first_turn_text(messages))
+            self._need_tokenizer("a text")
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            return tandem_pb2.TokenizeReply(token_ids=self.tokenizer.encode(request.text, add_special_tokens=special),
+                                            text=request.text)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    def _tokenizer_info(self) -> tandem_pb2.TokenizerInfo:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return tandem_pb2.TokenizerInfo()
+        template = getattr(tokenizer, "chat_template", None)
+        return tandem_pb2.TokenizerInfo(
+            tokenizer_class=type(tokenizer).__name__, eos_token=tokenizer.eos_token or "",
+            bos_token=tokenizer.bos_token or "", pad_token=tokenizer.pad_token or "",
+            chat_template=template if isinstance(template, str) else "")
 
     # --- helpers ---------------------------------------------------------------------
     def _tree_width(self, target: common_pb2.ModelInfo) -> int:

@@ -74,8 +74,12 @@ class ChatTemplate:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def first_turn_text(self, messages: list[dict]) -> str:
+        """A conversation as its first turn's prompt: with the assistant's prompt."""
+        return self._render(messages, add_generation_prompt=True)
+
     def first_turn(self, messages: list[dict]) -> list[int]:
-        return self._encode(self._render(messages, add_generation_prompt=True))
+        return self._encode(self.first_turn_text(messages))
 
     def next_turn(self, history: list[dict], user: dict, ended_with: list[int]) -> list[int]:
         """Tokens after the committed ones for a new user turn. `history` ends with

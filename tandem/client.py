@@ -118,6 +118,20 @@ class TandemClient:
     def delete_session(self, session_id: str) -> bool:
         return self._call(self.stub.DeleteSession, tandem_pb2.DeleteSessionRequest(session_id=session_id)).deleted
 
+    def tokenize(self, text: str | None = None, messages: list[dict] | None = None,
+                 token_ids: list[int] | None = None, add_special_tokens: bool | None = None) -> tandem_pb2.TokenizeReply:
+        """Text or a conversation to token ids, as Generate encodes a prompt, or
+        token ids to text (give one of the three)."""
+        request = tandem_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)
+        if messages is not None:
+            request.messages.messages.extend(tandem_pb2.ChatMessage(role=m["role"], content=m.get("content", ""))
+                                             for m in messages)
+        elif token_ids is not None:
+            request.token_ids.ids.extend(token_ids)
+        else:
+            request.text = text or ""
+        return self._call(self.stub.Tokenize, request)
+
     def server_info(self) -> tandem_pb2.ServerInfo:
         return self._call(self.stub.GetServerInfo, tandem_pb2.GetServerInfoRequest())
 

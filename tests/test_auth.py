@@ -1,6 +1,8 @@
 """API keys (--api-keys): a call without a valid key is UNAUTHENTICATED, the key
 decides the tenant, and one tenant's key reaches no other tenant's session;
 over gRPC and over the HTTP API."""
+import json
+import urllib.error
 import urllib.request
 
 import grpc
@@ -100,3 +102,12 @@ def test_the_http_api_takes_the_key_from_the_authorization_header(secured, char_
     assert caught.value.status_code == 401 and "not valid" in caught.value.body["message"]
     with urllib.request.urlopen(f"{base}/health", timeout=30) as reply:  # a probe needs no key
         assert reply.status == 200
+    # Tokenizing is work on the server: it takes a key too.
+    for headers, status in [({}, 401), ({"Authorization": f"Bearer {ALICE}"}, 200)]:
+        request = urllib.request.Request(f"{base}/tokenize", data=json.dumps({"prompt": "abc"}).encode(),
+                                         headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                assert (reply.status, len(json.load(reply)["tokens"])) == (status, 3)
+        except urllib.error.HTTPError as err:
+            assert err.code == status, headers

@@ -37,6 +37,17 @@ def test_bad_generate_requests_are_invalid_argument(random_cluster, kwargs):
         assert client.generate(prompt_ids=PROMPT, max_tokens=3).completion_tokens == 3  # still serving
 
 
+def test_tokenize_without_a_tokenizer_is_invalid_argument(random_cluster):
+    """The tiny models have no tokenizer: only token ids have meaning there."""
+    with random_cluster.client() as client:
+        assert not client.server_info().tokenizer.eos_token
+        for kwargs, words in [(dict(text="hello"), "needs a tokenizer"), (dict(token_ids=[1, 2]), "no tokenizer"),
+                              (dict(messages=[{"role": "user", "content": "x"}]), "needs a tokenizer")]:
+            with pytest.raises(grpc.RpcError) as caught:
+                client.tokenize(**kwargs)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.details()
+
+
 def test_unknown_and_foreign_sessions(random_cluster):
     with random_cluster.client(tenant="alice") as alice, random_cluster.client(tenant="bob") as bob:
         assert _code(lambda: alice.chat("no-such-session", message_ids=[1])) == grpc.StatusCode.NOT_FOUND

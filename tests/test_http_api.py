@@ -291,6 +291,42 @@ def test_echo_and_batches_serve_loglikelihood_requests_as_lm_eval_sends_them(htt
                                              extra_body={"echo": True})
 
 
+def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(http, char_models):
+    """The endpoints lm-evaluation-harness's remote tokenizer and other vLLM
+    clients use: the ids are the ones Generate would run, a conversation's
+    those of its chat completion's prompt."""
+    _, base, tokenizer = http
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return json.load(reply)
+
+    text = "def fib(n):"
+    tokens = post("/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert tokens["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    assert post("/detokenize", {"tokens": tokens["tokens"]}) == {"prompt": tokenizer.decode(tokens["tokens"])}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    rendered = post("/tokenize", {"messages": messages})["tokens"]
+    assert rendered == tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                      add_generation_prompt=True))
+    chat = client(base).chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens == len(rendered)
+    with urllib.request.urlopen(base + "/tokenizer_info", timeout=30) as reply:
+        info = json.load(reply)
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == 512
+    assert info["pad_token"] == tokenizer.pad_token and info["tokenizer_class"]
+    for path, body, words in [("/detokenize", {"tokens": ["a"]}, "'tokens' must be"),
+                              ("/detokenize", {"tokens": [1, 999]}, "outside [0, 128)"),
+                              ("/tokenize", {"prompt": 5}, "give 'prompt'"),
+                              ("/tokenize", {"messages": []}, "'messages' must be a non-empty list")]:
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            post(path, body)
+        assert caught.value.code == 400 and words in json.load(caught.value)["error"]["message"], body
+
+
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "temperature"),
     (dict(n=17), "n", "'n' must be in [1, 16]"),
