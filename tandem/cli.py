@@ -295,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
     gen.add_argument("prompt", nargs="?", default=None, help="prompt text")
     gen.add_argument("--prompt-ids", type=_ids, default=None, help="prompt as comma-separated token ids")
+    gen.add_argument("--prompt-logprobs", type=_int_in(0, MAX_TOP_LOGPROBS), default=None, metavar="N",
+                     help="also score the prompt: each of its tokens' log probability after the first, and the "
+                          f"N likeliest at each position (0..{MAX_TOP_LOGPROBS}; default: none)")
     _add_sampling_flags(gen)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat")
@@ -443,16 +446,22 @@ def _words(err: Exception) -> str:
     return f"{text} ({type(err).__name__}; --log-level DEBUG shows where)"
 
 
+def _print_logprobs(title: str, logprobs) -> None:
+    """A table on stderr: each token, its log probability, the likeliest there."""
+    print(f"\n{title}:", file=sys.stderr)
+    for lp in logprobs:
+        top = "  ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top_logprobs)
+        print(f"{lp.token_id:>8} {lp.token!r:<16} {lp.logprob:9.4f}" + (f"   top: {top}" if top else ""), file=sys.stderr)
+
+
 def _print_result(result, args) -> None:
     if args.json:
         print(json.dumps(result.as_dict()))
         return
+    if result.prompt is not None and result.prompt.logprobs:
+        _print_logprobs("prompt", result.prompt.logprobs)
     if result.logprobs:
-        print(file=sys.stderr)
-        for lp in result.logprobs:
-            top = "  ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top_logprobs)
-            print(f"{lp.token_id:>8} {lp.token!r:<16} {lp.logprob:9.4f}" + (f"   top: {top}" if top else ""),
-                  file=sys.stderr)
+        _print_logprobs("completion", result.logprobs)
     s = result.stats
     reused = f", {result.cached_prompt_tokens} prompt tokens reused" if result.cached_prompt_tokens else ""
     print(
@@ -470,7 +479,8 @@ def _generate(args) -> int:
         print("tandem generate: give a prompt or --prompt-ids (one of them)", file=sys.stderr)
         return 2
     with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key) as client:
-        stream = client.generate_stream(args.prompt, args.prompt_ids, **_sampling_kwargs(args))
+        stream = client.generate_stream(args.prompt, args.prompt_ids, prompt_logprobs=args.prompt_logprobs,
+                                        **_sampling_kwargs(args))
         show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
         result = collect(stream, on_delta=show)
     _print_result(result, args)

@@ -91,6 +91,22 @@ def test_greedy_logprobs_equal_the_target_alone(request, tiny_models, cluster_na
         assert accepted > tokens / 2
 
 
+def test_a_chat_turns_logprobs_are_the_target_alones_over_the_whole_history(cluster, tiny_models):
+    """The second turn's first verify takes in only the new turn: its tokens'
+    log probabilities still condition on everything before."""
+    target = tiny_models["target"]
+    with cluster.client() as client:
+        session = client.create_session()
+        first = client.chat(session, message_ids=PROMPTS[0], max_tokens=12, logprobs=True, top_logprobs=2)
+        second = client.chat(session, message_ids=[7, 7, 7], max_tokens=12, logprobs=True, top_logprobs=2)
+        client.delete_session(session)
+    assert_match(first, reference_logprobs(target, PROMPTS[0], first.token_ids), top=2)
+    history = PROMPTS[0] + first.token_ids + [7, 7, 7]
+    assert second.token_ids == reference_greedy(target, history, 12)
+    assert second.stats.cache_misses == 0 and second.stats.target_prefill_tokens < len(history)  # the caches reused
+    assert_match(second, reference_logprobs(target, history, second.token_ids), top=2)
+
+
 def test_sampled_logprobs_are_the_models_own_and_change_no_token(cluster, tiny_models):
     """Under sampling the reported log probability is the raw model's, before
     temperature (as vLLM reports it), and asking for it draws the same tokens."""

@@ -59,9 +59,15 @@ def test_the_orchestrator_process_serves_text_without_torch(char_models):
                pytest.approx([lp.logprob for lp in scored_expected.logprobs], abs=1e-4)
         printed = subprocess.run(
             [sys.executable, "-m", "tandem.cli", "generate", "Write a haiku", "--address", ready.split()[-1],
-             "--max-tokens", "24", "--temperature", "0", "--logprobs", "2", "--json"],
+             "--max-tokens", "24", "--temperature", "0", "--logprobs", "2", "--prompt-logprobs", "1", "--json"],
             capture_output=True, text=True, timeout=120, check=True)
-        printed = json.loads(printed.stdout)["logprobs"]
+        printed = json.loads(printed.stdout)
+        prompt = printed["prompt"]
+        with cluster.client() as reference:
+            ids = list(reference.tokenize("Write a haiku").token_ids)
+        assert prompt["token_ids"] == ids and prompt["first_token"] == chr(ids[0])
+        assert [lp["token"] for lp in prompt["logprobs"]] == [chr(t) for t in ids[1:]]
+        printed = printed["logprobs"]
         assert [lp["token_id"] for lp in printed] == scored_expected.token_ids
         assert [lp["logprob"] for lp in printed] == \
                pytest.approx([lp.logprob for lp in scored_expected.logprobs], abs=1e-4)
