@@ -87,14 +87,7 @@ class TandemClient:
         """Streams a completion of the prompt: text, token ids, or a conversation
         (`messages`, dicts with role and content, rendered by the server's chat template)."""
         request = tandem_pb2.GenerateRequest(params=params_message(**params), keep_session=keep_session)
-        if messages is not None:
-            request.messages.messages.extend(tandem_pb2.ChatMessage(role=m["role"], content=m.get("content", ""))
-                                             for m in messages)
-        elif prompt_ids is not None:
-            request.token_ids.ids.extend(prompt_ids)
-        else:
-            request.text = prompt or ""
-        return self._call(self.stub.Generate, request)
+        return self._call(self.stub.Generate, _with_input(request, prompt, prompt_ids, messages))
 
     def generate(self, *args, **kwargs) -> Result:
         return collect(self.generate_stream(*args, **kwargs))
@@ -123,17 +116,23 @@ class TandemClient:
         """Text or a conversation to token ids, as Generate encodes a prompt, or
         token ids to text (give one of the three)."""
         request = tandem_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)
-        if messages is not None:
-            request.messages.messages.extend(tandem_pb2.ChatMessage(role=m["role"], content=m.get("content", ""))
-                                             for m in messages)
-        elif token_ids is not None:
-            request.token_ids.ids.extend(token_ids)
-        else:
-            request.text = text or ""
-        return self._call(self.stub.Tokenize, request)
+        return self._call(self.stub.Tokenize, _with_input(request, text, token_ids, messages))
 
     def server_info(self) -> tandem_pb2.ServerInfo:
         return self._call(self.stub.GetServerInfo, tandem_pb2.GetServerInfoRequest())
+
+
+def _with_input(request, text: str | None, token_ids: list[int] | None, messages: list[dict] | None):
+    """The request (a GenerateRequest or a TokenizeRequest: the same oneof)
+    with its input set: the messages, else the token ids, else the text."""
+    if messages is not None:
+        request.messages.messages.extend(tandem_pb2.ChatMessage(role=m["role"], content=m.get("content", ""))
+                                         for m in messages)
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    else:
+        request.text = text or ""
+    return request
 
 
 def collect(events, on_delta=None) -> Result:
