@@ -154,7 +154,7 @@ class Gateway:
         finished = False
         try:
             if call.stream:
-                answer = await self._stream(request, call, model, streams)
+                answer = await self._stream(request, call, model, rpcs, streams)
             else:
                 answers = await _all([_collect(events) for events in streams])
                 answer = web.json_response(response(call, model, answers))
@@ -179,7 +179,7 @@ class Gateway:
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
-    async def _stream(self, request: web.Request, call: Call, model: str, streams) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, call: Call, model: str, rpcs, streams) -> web.StreamResponse:
         """Server-sent events. Each choice's first event is awaited before the
         response starts, so that a refused request still gets its HTTP status;
         an error after that comes as a chunk {"error": ...}, then [DONE]. The
@@ -222,6 +222,8 @@ class Gateway:
             if call.include_usage and len(finals) == call.choices:
                 await _send(out, chunks.usage([finals[i] for i in range(call.choices)]))
         except grpc.aio.AioRpcError as err:
+            for rpc in rpcs:  # the other choices' generations too: the answer is over
+                rpc.cancel()
             await _send(out, ApiError.from_rpc(err).body())
         except (ConnectionResetError, asyncio.CancelledError):
             # The caller cancels the generations; what they committed stays committed.

@@ -431,6 +431,13 @@ def _settled_sessions(cluster) -> tuple[int, int]:
     raise AssertionError("the services' sessions did not settle")
 
 
+def _wait_idle(cluster, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while cluster.orchestrator.active_requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cluster.orchestrator.active_requests == 0, "a generation went on after its request ended"
+
+
 def test_an_orchestrator_at_its_request_limit_answers_429(char_models):
     """Past --max-concurrent-requests the orchestrator sheds a request with
     RESOURCE_EXHAUSTED, which the HTTP API reports as OpenAI's rate limit (429)."""
@@ -446,6 +453,16 @@ def test_an_orchestrator_at_its_request_limit_answers_429(char_models):
             client(base).completions.create(model=model, prompt="hi", max_tokens=4)
         assert caught.value.status_code == 429 and "--max-concurrent-requests" in caught.value.body["message"]
         held.close()
+        _wait_idle(cluster)
+        # Two choices past a limit of one: the second is refused, and the first,
+        # admitted, is cancelled with it: the orchestrator is free again at once.
+        for stream in (False, True):
+            with pytest.raises(openai.RateLimitError):
+                answer = client(base).completions.create(model=model, prompt="Once", max_tokens=400, temperature=0,
+                                                         n=2, stream=stream)
+                list(answer) if stream else None
+            _wait_idle(cluster)
+        assert client(base).completions.create(model=model, prompt="hi", max_tokens=4).usage.completion_tokens == 4
     finally:
         stop()
         cluster.stop()
