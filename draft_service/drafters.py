@@ -16,7 +16,7 @@ import torch
 from draft_service.cheap import ReducedHead
 from draft_service.ngram import lookup
 from tandem import rng
-from tandem.distributions import logits_to_probs, sample
+from tandem.distributions import adjust_logits, logits_to_probs, sample
 from tandem.lean import LeanRunner
 from tandem.modeling import ModelRunner
 from tandem.sampling import SamplingParams
@@ -57,8 +57,8 @@ class Drafter(Protocol):
 def draw(logits: torch.Tensor, call: ProposeCall, position: int, first: bool):
     """One drafted token from [vocab] logits: (token, its probability, distribution)."""
     if call.sampling.greedy:
-        return int(logits.argmax()), None, None
-    dist = logits_to_probs(logits[None], call.sampling)[0]
+        return int(adjust_logits(logits[None], call.sampling, position)[0].argmax()), None, None
+    dist = logits_to_probs(logits[None], call.sampling, position)[0]
     stream = rng.TARGET if (first and call.first_is_bonus_guess) else rng.DRAFT
     token = sample(dist, rng.uniform(call.sampling.seed, stream, position))
     return token, float(dist[token]), dist
@@ -210,7 +210,8 @@ class ModelDrafter:
                         self.store.release(call.session_id)
                     break
                 if ranks:  # greedy: the token and its runner-up in one pass over the logits
-                    token, runner_up = logits.topk(2).indices.tolist()
+                    ranked = adjust_logits(logits[None], call.sampling, len(cache))[0]
+                    token, runner_up = ranked.topk(2).indices.tolist()
                     prob = dist = None
                     runners_up.append(runner_up)
                 else:

@@ -2,6 +2,7 @@
 commit and stream what each round produced, and report the stats."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -41,6 +42,7 @@ class RequestParams:
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it as a stop string does
     echo: bool = False  # the first delta carries the prompt
     prompt_logprobs: int | None = None  # and with it its tokens' log probabilities and the n likeliest
+    min_tokens: int = 0  # no end-of-sequence token (nor stop token id) among the first min_tokens
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -51,6 +53,8 @@ class RequestParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
 
@@ -156,12 +160,17 @@ class Generation:
         started = time.perf_counter()
         echoed = list(record.tokens) + turn if params.echo or params.prompt_logprobs is not None else None
         await self.store.append_tokens(record, turn)  # the turn is committed first
+        sampling = params.sampling
+        if params.min_tokens:  # the first generated token is at position len(record.tokens)
+            ends = self._end_ids(params) | params.stop_token_ids
+            sampling = dataclasses.replace(sampling, suppress_ids=tuple(sorted(ends)),
+                                           suppress_before=len(record.tokens) + params.min_tokens)
         pipeline = self.pipeline_for(params)
         committed = Committed(record.tokens)
         decoder = Decoder(
             self.proposer, self.verifier, record.cache_id, committed,
             ServiceView(record.draft_len), ServiceView(record.target_len),
-            params.sampling, self.policy_for(params, pipeline), pipeline,
+            sampling, self.policy_for(params, pipeline), pipeline,
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
             self.breaker, self.prefill_overlap(params), self.config.tree_width,
             end=min(self.config.max_context, len(record.tokens) + params.max_tokens),

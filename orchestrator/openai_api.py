@@ -43,13 +43,14 @@ HTTP_STATUS = {
 }
 
 # OpenAI parameters that Tandem does not serve: refused unless they hold their
-# no-op value. The first four would change what is sampled, and Tandem samples
-# exactly the target's distribution after temperature, top_p and top_k.
-CHANGES_SAMPLING = "Tandem samples exactly the target model's distribution, after temperature, top_p and top_k only"
+# no-op value. The first three would change what is sampled, and Tandem samples
+# exactly the target's distribution after the processing it applies alike on
+# both services (tandem.distributions).
+CHANGES_SAMPLING = ("Tandem samples exactly the target model's distribution, after logit_bias, min_tokens, "
+                    "temperature, top_p and top_k only")
 UNSUPPORTED = {
     "presence_penalty": ((0, 0.0), CHANGES_SAMPLING),
     "frequency_penalty": ((0, 0.0), CHANGES_SAMPLING),
-    "logit_bias": (({},), CHANGES_SAMPLING),
     "best_of": ((1,), CHANGES_SAMPLING),
     "suffix": (("",), "there is no insertion mode"),
     "tools": (([],), "there is no tool calling"),
@@ -187,6 +188,18 @@ def _params(body: dict, max_tokens_names: tuple[str, ...], chat: bool) -> tandem
     if body.get("pipeline") is not None:
         params.pipeline = _flag(body, "pipeline")
     params.ignore_eos = _flag(body, "ignore_eos")
+    if (min_tokens := _number(body, "min_tokens", 0, INT32_MAX, integer=True)) is not None:
+        params.min_tokens = min_tokens
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise invalid("logit_bias", "'logit_bias' must be an object of token ids to numbers")
+        for key, value in bias.items():
+            if not str(key).lstrip("-").isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise invalid("logit_bias", f"'logit_bias' maps token ids to numbers, not {key!r}: {value!r}")
+            if not -100 <= value <= 100:
+                raise invalid("logit_bias", f"'logit_bias' values must be in [-100, 100], not {value!r}")
+            params.logit_bias[int(key)] = float(value)
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

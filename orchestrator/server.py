@@ -18,7 +18,7 @@ from orchestrator.quotas import TenantQuotas
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
-from tandem.sampling import SamplingParams
+from tandem.sampling import MAX_LOGIT_BIASES, SamplingParams
 from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
@@ -185,6 +185,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             top_p=msg.top_p if msg.HasField("top_p") else 1.0,
             top_k=msg.top_k if msg.HasField("top_k") else 0,
             seed=seed,
+            logit_bias=self._logit_bias(msg.logit_bias),
         )
         if msg.stop:
             self._need_tokenizer("a stop string")
@@ -201,8 +202,15 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             ignore_eos=msg.ignore_eos,
             echo=msg.echo,
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+            min_tokens=msg.min_tokens,
             stop_token_ids=frozenset(self._check_ids(list(msg.stop_token_ids), "stop_token_ids")),
         )
+
+    def _logit_bias(self, bias) -> tuple[tuple[int, float], ...]:
+        if len(bias) > MAX_LOGIT_BIASES:
+            raise ValueError(f"at most {MAX_LOGIT_BIASES} logit_bias entries, got {len(bias)}")
+        self._check_ids(list(bias), "logit_bias token ids")
+        return tuple(sorted(bias.items()))
 
     def _check_ids(self, ids: list[int], what: str = "token ids") -> list[int]:
         vocab = self.target_info.vocab_size

@@ -127,6 +127,10 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=_int_in(0, INT32_MAX), default=None, metavar="ID",
                    help="a token id that ends the generation (repeatable; default: none)")
+    p.add_argument("--min-tokens", type=_int_in(0, INT32_MAX), default=None,
+                   help="no end-of-sequence token among the first N generated (default: 0)")
+    p.add_argument("--logit-bias", action="append", type=_bias, default=None, metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate past end-of-sequence tokens, to --max-tokens (for benchmarks)")
     p.add_argument("--k", type=_int_in(0, INT32_MAX), default=None,
@@ -141,13 +145,26 @@ def _add_sampling_flags(p) -> None:
                         "is still detected, by keepalive pings, within about a minute)")
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """--logit-bias ID=BIAS."""
+    token, _, bias = text.partition("=")
+    try:
+        pair = int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, such as 151643=-100, got {text!r}") from None
+    if pair[0] < 0 or not -100 <= pair[1] <= 100:
+        raise argparse.ArgumentTypeError(f"a token id >= 0 and a bias in [-100, 100], got {text!r}")
+    return pair
+
+
 def _sampling_kwargs(args) -> dict:
     return dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
         pipeline=_switch(args.pipeline),
         logprobs=True if args.logprobs is not None else None, top_logprobs=args.logprobs,
-        ignore_eos=args.ignore_eos or None, stop_token_ids=args.stop_token_id,
+        ignore_eos=args.ignore_eos or None, stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
     )
 
 

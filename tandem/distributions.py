@@ -14,11 +14,35 @@ from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[n, vocab] logits → [n, vocab] float32 probabilities (sampling only)."""
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: int) -> torch.Tensor:
+    """[n, vocab] logits whose row i scores absolute position first_position + i,
+    with the request's logit bias added and its suppressed tokens at -inf where
+    the position is below suppress_before; the logits themselves when the
+    request adjusts nothing. Greedy decoding takes the argmax of these, sampling
+    their processed probabilities (logits_to_probs). Ids past the vocabulary
+    are ignored (a draft's may be narrower than the target's)."""
+    assert logits.ndim == 2, logits.shape
+    if not params.adjusts:
+        return logits
+    vocab = logits.shape[-1]
+    out = logits.float().clone()
+    bias = [(token, value) for token, value in params.logit_bias if token < vocab]
+    if bias:
+        ids = torch.tensor([token for token, _ in bias], device=out.device)
+        out[:, ids] += torch.tensor([value for _, value in bias], device=out.device)
+    rows = min(max(params.suppress_before - first_position, 0), out.shape[0])
+    suppressed = [token for token in params.suppress_ids if token < vocab]
+    if rows and suppressed:
+        out[:rows, torch.tensor(suppressed, device=out.device)] = float("-inf")
+    return out
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, first_position: int = 0) -> torch.Tensor:
+    """[n, vocab] logits, row i at absolute position first_position + i → [n,
+    vocab] float32 probabilities (sampling only)."""
     assert logits.ndim == 2, logits.shape
     assert not params.greedy, "greedy decoding uses argmax, not probabilities"
-    scores = logits.float() / params.temperature
+    scores = adjust_logits(logits, params, first_position).float() / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

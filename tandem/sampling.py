@@ -12,15 +12,29 @@ from dataclasses import dataclass
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit bias: [-100, 100]
+MAX_LOGIT_BIASES = 300  # and how many a request may give
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 (or below GREEDY_BELOW_TEMPERATURE) is greedy. top_p 1 and
-    top_k 0 switch those filters off."""
+    top_k 0 switch those filters off.
+
+    logit_bias: (token id, bias) pairs added to the logits first, under greedy
+    decoding too; suppress_ids: tokens that cannot come at an absolute position
+    below suppress_before (a request's min_tokens keeps its end-of-sequence
+    tokens out until then). Both define the distribution that draft and target
+    apply alike (tandem.distributions.adjust_logits), so the output is exactly
+    what the target alone gives with them."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    suppress_ids: tuple[int, ...] = ()
+    suppress_before: int = 0
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):
@@ -29,6 +43,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
+                raise ValueError(f"logit_bias: token {token}'s bias must be in [-100, 100], got {bias}")
+        if any(token < 0 for token in self.suppress_ids):
+            raise ValueError("suppress_ids must be token ids (>= 0)")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before they are used (logit_bias, suppress_ids)."""
+        return bool(self.logit_bias) or bool(self.suppress_ids and self.suppress_before)
 
     @property
     def greedy(self) -> bool:

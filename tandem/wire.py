@@ -14,10 +14,15 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         top_p=msg.top_p if msg.top_p != 0 else 1.0,
         top_k=msg.top_k,
         seed=msg.seed,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        suppress_ids=tuple(msg.suppress_tokens),
+        suppress_before=msg.suppress_before,
     )
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+        logit_bias=dict(params.logit_bias), suppress_tokens=params.suppress_ids,
+        suppress_before=params.suppress_before,
     )

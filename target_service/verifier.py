@@ -10,7 +10,7 @@ import torch
 
 from tandem import rng
 from tandem.acceptance import Verdict, verify_greedy, verify_greedy_tree, verify_sampled
-from tandem.distributions import logits_to_probs
+from tandem.distributions import adjust_logits, logits_to_probs
 from tandem.logprobs import TokenLogprobs, token_logprobs
 from tandem.modeling import ModelRunner
 from tandem.sampling import SamplingParams
@@ -82,7 +82,7 @@ class Verifier:
     def _as_tree(self, call: VerifyCall) -> bool:
         """Whether the call's alternatives are verified beside its block."""
         return bool(call.alternatives and call.draft_tokens and call.sampling.greedy and self.runner.verifies_trees
-                    and call.prompt_logprobs is None)
+                    and call.prompt_logprobs is None and not call.sampling.adjusts)
 
     def _feed_scored(self, cache, call: VerifyCall) -> tuple[TokenLogprobs, ...]:
         """Runs the call's new tokens but the last through the model, in chunks
@@ -168,14 +168,15 @@ class Verifier:
         assert logits.ndim == 2
         k = len(call.draft_tokens)
         if call.sampling.greedy:
-            verdict = verify_greedy(call.draft_tokens, logits.argmax(dim=-1).tolist())
+            verdict = verify_greedy(call.draft_tokens,
+                                    adjust_logits(logits, call.sampling, first_draft_pos).argmax(dim=-1).tolist())
         else:
             seed = call.sampling.seed
             verdict = verify_sampled(
                 call.draft_tokens,
                 call.draft_probs,
                 None if call.draft_dists is None else call.draft_dists.to(logits.device),
-                logits_to_probs(logits, call.sampling),
+                logits_to_probs(logits, call.sampling, first_draft_pos),
                 rng.uniforms(seed, rng.ACCEPT, first_draft_pos, k),
                 rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),
             )

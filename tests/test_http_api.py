@@ -327,11 +327,26 @@ def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(http, char_m
         assert caught.value.code == 400 and words in json.load(caught.value)["error"]["message"], body
 
 
+def test_logit_bias_and_min_tokens_reach_the_models(http, char_models):
+    from tests.test_logit_bias import reference_biased
+
+    _, base, tokenizer = http
+    ids = tokenizer.encode("def fib(n):")
+    plain = reference_greedy(char_models["target"], ids, 12)
+    answer = client(base).completions.create(model="tandem-tiny", prompt=ids, max_tokens=12, temperature=0,
+                                             logit_bias={str(plain[0]): -100}, extra_body={"return_token_ids": True})
+    assert answer.choices[0].token_ids == reference_biased(char_models["target"], ids, 12, {plain[0]: -100.0})
+    forced = client(base).chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "x"}],
+                                                  max_tokens=6, logit_bias={"65": 100}, extra_body={"min_tokens": 2})
+    assert forced.choices[0].message.content == "AAAAAA"
+
+
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "temperature"),
     (dict(n=17), "n", "'n' must be in [1, 16]"),
     (dict(frequency_penalty=0.5), "frequency_penalty", "not supported"),
-    (dict(extra_body={"logit_bias": {"5": 10}}), "logit_bias", "not supported"),
+    (dict(extra_body={"logit_bias": {"5": 101}}), "logit_bias", "in [-100, 100]"),
+    (dict(extra_body={"logit_bias": {"x": 1}}), "logit_bias", "maps token ids to numbers"),
     (dict(echo=True, suffix="x"), "suffix", "not supported"),
     (dict(logprobs=21), "logprobs", "'logprobs' must be in [0, 20]"),
     (dict(extra_body={"top_logprobs": 2}), "top_logprobs", "a completion takes 'logprobs': N"),

@@ -1,0 +1,120 @@
+"""logit_bias and min_tokens: both change the distribution the target decodes
+from, on both services alike (tandem.distributions.adjust_logits). Greedy
+output equals Hugging Face's generate on the target alone with the same
+processing; sampled output keeps to the adjusted distribution."""
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from tandem.distributions import adjust_logits, logits_to_probs
+from tandem.sampling import SamplingParams
+from tests.conftest import Cluster, reference_greedy
+from tests.test_end_tokens import N, PROMPT, ending  # noqa: F401 (a fixture)
+
+PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6], [10, 20, 30, 40, 50, 60, 10, 20])
+
+
+class Bias(LogitsProcessor):
+    def __init__(self, bias: dict[int, float]):
+        self.bias = bias
+
+    def __call__(self, input_ids, scores):
+        for token, value in self.bias.items():
+            scores[:, token] += value
+        return scores
+
+
+def reference_biased(model_dir: str, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
+    """Hugging Face generate(do_sample=False) on the target alone, with the bias."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([Bias(bias)]))
+    return out[0, len(prompt):].tolist()
+
+
+def test_adjust_logits_biases_every_row_and_suppresses_by_position():
+    logits = torch.zeros(3, 6)
+    params = SamplingParams(logit_bias=((1, 2.0), (4, -1.5), (9, 5.0)), suppress_ids=(0, 5), suppress_before=11)
+    out = adjust_logits(logits, params, first_position=10)  # rows at positions 10, 11, 12
+    assert out[:, 1].tolist() == [2.0] * 3 and out[:, 4].tolist() == [-1.5] * 3  # id 9: past the vocabulary
+    assert out[0, 0] == out[0, 5] == float("-inf") and out[1:, [0, 5]].eq(0).all()
+    assert torch.equal(logits, torch.zeros(3, 6))  # the input is left as it was
+    assert adjust_logits(logits, SamplingParams(), 0) is logits
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, suppress_ids=(2,), suppress_before=1), 0)
+    assert probs[0, 2] == 0 and probs[1, 2] > 0
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias=((3, 101.0),))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, near_draft):
+    cluster = Cluster(tiny_models["target"], near_draft, tree_width=4, target_graphs="off")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_greedy_with_a_logit_bias_equals_the_target_alone_with_it(cluster, tiny_models, pipeline):
+    target = tiny_models["target"]
+    with cluster.client() as client:
+        for prompt in PROMPTS:
+            plain = reference_greedy(target, prompt, 24)
+            # Ban the target's first two tokens and favour one it did not pick.
+            bias = {plain[0]: -100.0, plain[1]: -100.0, 77: 3.0}
+            expected = reference_biased(target, prompt, 24, bias)
+            assert expected != plain and plain[0] not in expected
+            result = client.generate(prompt_ids=prompt, max_tokens=24, logit_bias=bias, pipeline=pipeline,
+                                     num_draft_tokens=3)
+            assert result.token_ids == expected
+            assert result.stats.accepted_tokens > 0  # the draft, biased alike, still drafts tokens that hold
+
+
+def test_sampling_keeps_to_the_biased_distribution(cluster):
+    with cluster.client() as client:
+        favoured = client.generate(prompt_ids=PROMPTS[0], max_tokens=24, temperature=1.0, seed=4,
+                                   logit_bias={42: 100.0})
+        assert favoured.token_ids == [42] * 24  # e^100 against the rest: never anything else
+        unbiased = client.generate(prompt_ids=PROMPTS[0], max_tokens=32, temperature=1.0, seed=4)
+        banned = set(unbiased.token_ids)
+        again = client.generate(prompt_ids=PROMPTS[0], max_tokens=32, temperature=1.0, seed=4,
+                                logit_bias={t: -100.0 for t in banned})
+        assert not banned & set(again.token_ids) and len(again.token_ids) == 32
+        for bias, words in [({500: 1.0}, "outside [0, 128)"), ({1: 101.0}, "[-100, 100]")]:
+            with pytest.raises(grpc.RpcError) as caught:
+                client.generate(prompt_ids=PROMPTS[0], max_tokens=4, logit_bias=bias)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.details()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_min_tokens_keeps_the_end_of_sequence_out_as_min_new_tokens_does(ending, pipeline):  # noqa: F811
+    """The target ends at its end-of-sequence token; with min_tokens past it,
+    it decodes on as Hugging Face's generate(min_new_tokens) does."""
+    cluster, expected, eos_at, _ = ending
+    model_dir = cluster.params["target_dir"]
+    eos = expected[eos_at]
+    minimum = eos_at + 4
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([PROMPT])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=minimum,
+                             do_sample=False, pad_token_id=0, eos_token_id=eos)
+    reference = out[0, len(PROMPT):].tolist()
+    if eos in reference:
+        reference = reference[: reference.index(eos) + 1]
+    assert eos not in reference[:minimum] and len(reference) > eos_at + 1
+    with cluster.client() as client:
+        result = client.generate(prompt_ids=PROMPT, max_tokens=N, min_tokens=minimum, pipeline=pipeline)
+        assert result.token_ids == reference
+        assert result.finish_reason == ("eos" if reference[-1] == eos else "length")
+        # The end of sequence favoured far above all else comes right after the
+        # min_tokens, greedy or sampled: not before, not later.
+        for temperature in (0.0, 1.0):
+            pushed = client.generate(prompt_ids=PROMPT, max_tokens=N, min_tokens=6, temperature=temperature, seed=1,
+                                     logit_bias={eos: 100.0}, pipeline=pipeline)
+            assert (pushed.finish_reason, len(pushed.token_ids), pushed.token_ids[-1]) == ("eos", 7, eos)
+        with pytest.raises(grpc.RpcError) as caught:
+            client.generate(prompt_ids=PROMPT, max_tokens=4, min_tokens=5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in caught.value.details()
