@@ -54,11 +54,13 @@ class Drafter(Protocol):
     def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal: ...
 
 
-def draw(logits: torch.Tensor, call: ProposeCall, position: int, first: bool):
-    """One drafted token from [vocab] logits: (token, its probability, distribution)."""
+def draw(logits: torch.Tensor, call: ProposeCall, position: int, first: bool, tokens=()):
+    """One drafted token from [vocab] logits at absolute `position` after
+    `tokens` (the sequence before it, for penalties): (token, its probability,
+    distribution)."""
     if call.sampling.greedy:
-        return int(adjust_logits(logits[None], call.sampling, position)[0].argmax()), None, None
-    dist = logits_to_probs(logits[None], call.sampling, position)[0]
+        return int(adjust_logits(logits[None], call.sampling, position, tokens)[0].argmax()), None, None
+    dist = logits_to_probs(logits[None], call.sampling, position, tokens)[0]
     stream = rng.TARGET if (first and call.first_is_bonus_guess) else rng.DRAFT
     token = sample(dist, rng.uniform(call.sampling.seed, stream, position))
     return token, float(dist[token]), dist
@@ -210,12 +212,12 @@ class ModelDrafter:
                         self.store.release(call.session_id)
                     break
                 if ranks:  # greedy: the token and its runner-up in one pass over the logits
-                    ranked = adjust_logits(logits[None], call.sampling, len(cache))[0]
+                    ranked = adjust_logits(logits[None], call.sampling, len(cache), cache.tokens)[0]
                     token, runner_up = ranked.topk(2).indices.tolist()
                     prob = dist = None
                     runners_up.append(runner_up)
                 else:
-                    token, prob, dist = draw(logits, call, position=len(cache), first=i == 0)
+                    token, prob, dist = draw(logits, call, position=len(cache), first=i == 0, tokens=cache.tokens)
                 steps_ms.append((time.perf_counter() - step_start) * 1e3)
                 tokens.append(token)
                 if prob is not None:

@@ -161,6 +161,8 @@ class Generation:
         echoed = list(record.tokens) + turn if params.echo or params.prompt_logprobs is not None else None
         await self.store.append_tokens(record, turn)  # the turn is committed first
         sampling = params.sampling
+        if sampling.penalizes:  # over the completion: from the first generated token's position on
+            sampling = dataclasses.replace(sampling, penalty_start=len(record.tokens))
         if params.min_tokens:  # the first generated token is at position len(record.tokens)
             ends = self._end_ids(params) | params.stop_token_ids
             sampling = dataclasses.replace(sampling, suppress_ids=tuple(sorted(ends)),

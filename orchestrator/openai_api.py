@@ -43,14 +43,12 @@ HTTP_STATUS = {
 }
 
 # OpenAI parameters that Tandem does not serve: refused unless they hold their
-# no-op value. The first three would change what is sampled, and Tandem samples
+# no-op value. best_of would change what is sampled, and Tandem samples
 # exactly the target's distribution after the processing it applies alike on
 # both services (tandem.distributions).
 CHANGES_SAMPLING = ("Tandem samples exactly the target model's distribution, after logit_bias, min_tokens, "
-                    "temperature, top_p and top_k only")
+                    "the penalties, temperature, top_p and top_k only")
 UNSUPPORTED = {
-    "presence_penalty": ((0, 0.0), CHANGES_SAMPLING),
-    "frequency_penalty": ((0, 0.0), CHANGES_SAMPLING),
     "best_of": ((1,), CHANGES_SAMPLING),
     "suffix": (("",), "there is no insertion mode"),
     "tools": (([],), "there is no tool calling"),
@@ -188,6 +186,9 @@ def _params(body: dict, max_tokens_names: tuple[str, ...], chat: bool) -> tandem
     if body.get("pipeline") is not None:
         params.pipeline = _flag(body, "pipeline")
     params.ignore_eos = _flag(body, "ignore_eos")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if (penalty := _number(body, name, -2, 2)) is not None:
+            setattr(params, name, penalty)
     if (min_tokens := _number(body, "min_tokens", 0, INT32_MAX, integer=True)) is not None:
         params.min_tokens = min_tokens
     bias = body.get("logit_bias")

@@ -186,6 +186,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             top_k=msg.top_k if msg.HasField("top_k") else 0,
             seed=seed,
             logit_bias=self._logit_bias(msg.logit_bias),
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
         )
         if msg.stop:
             self._need_tokenizer("a stop string")

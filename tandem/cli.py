@@ -131,6 +131,9 @@ def _add_sampling_flags(p) -> None:
                    help="no end-of-sequence token among the first N generated (default: 0)")
     p.add_argument("--logit-bias", action="append", type=_bias, default=None, metavar="ID=BIAS",
                    help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; default: none)")
+    for name in ("presence", "frequency"):
+        p.add_argument(f"--{name}-penalty", type=float, default=None,
+                       help=f"OpenAI's {name}_penalty, in [-2, 2] (default: 0)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate past end-of-sequence tokens, to --max-tokens (for benchmarks)")
     p.add_argument("--k", type=_int_in(0, INT32_MAX), default=None,
@@ -165,6 +168,7 @@ def _sampling_kwargs(args) -> dict:
         logprobs=True if args.logprobs is not None else None, top_logprobs=args.logprobs,
         ignore_eos=args.ignore_eos or None, stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
         logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
     )
 
 

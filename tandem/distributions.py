@@ -7,6 +7,8 @@ target-only sampling would draw from (DESIGN §2, invariant 4).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -14,9 +16,12 @@ from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: int) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: int,
+                  tokens: Sequence[int] = ()) -> torch.Tensor:
     """[n, vocab] logits whose row i scores absolute position first_position + i,
-    with the request's logit bias added and its suppressed tokens at -inf where
+    with the request's logit bias added, its penalties taken off (counted over
+    tokens[penalty_start: first_position + i], `tokens` being the sequence up
+    to the last row's position at least) and its suppressed tokens at -inf where
     the position is below suppress_before; the logits themselves when the
     request adjusts nothing. Greedy decoding takes the argmax of these, sampling
     their processed probabilities (logits_to_probs). Ids past the vocabulary
@@ -26,6 +31,8 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
         return logits
     vocab = logits.shape[-1]
     out = logits.float().clone()
+    if params.penalizes:
+        out -= _penalties(params, first_position, out.shape[0], tokens, vocab).to(out.device)
     bias = [(token, value) for token, value in params.logit_bias if token < vocab]
     if bias:
         ids = torch.tensor([token for token, _ in bias], device=out.device)
@@ -37,12 +44,29 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
     return out
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams, first_position: int = 0) -> torch.Tensor:
-    """[n, vocab] logits, row i at absolute position first_position + i → [n,
-    vocab] float32 probabilities (sampling only)."""
+def _penalties(params: SamplingParams, first_position: int, rows: int, tokens: Sequence[int],
+               vocab: int) -> torch.Tensor:
+    """[rows, vocab]: what the presence and frequency penalties take off each row."""
+    assert len(tokens) >= first_position + rows - 1, "the tokens before the last row are needed"
+    counts = torch.zeros(rows, vocab)
+    seen = [t for t in tokens[params.penalty_start:first_position] if t < vocab]
+    if seen:
+        counts[:] = torch.bincount(torch.tensor(seen), minlength=vocab)[:vocab].float()
+    for i in range(1, rows):  # row i also counts the block's tokens before it
+        token = tokens[first_position + i - 1]
+        if first_position + i - 1 >= params.penalty_start and token < vocab:
+            counts[i:, token] += 1
+    return params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, first_position: int = 0,
+                    tokens: Sequence[int] = ()) -> torch.Tensor:
+    """[n, vocab] logits, row i at absolute position first_position + i (and
+    `tokens`, the sequence, for penalties; see adjust_logits) → [n, vocab]
+    float32 probabilities (sampling only)."""
     assert logits.ndim == 2, logits.shape
     assert not params.greedy, "greedy decoding uses argmax, not probabilities"
-    scores = adjust_logits(logits, params, first_position).float() / params.temperature
+    scores = adjust_logits(logits, params, first_position, tokens).float() / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

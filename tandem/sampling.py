@@ -14,6 +14,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit bias: [-100, 100]
 MAX_LOGIT_BIASES = 300  # and how many a request may give
+MAX_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [-2, 2]
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,12 @@ class SamplingParams:
     below suppress_before (a request's min_tokens keeps its end-of-sequence
     tokens out until then). Both define the distribution that draft and target
     apply alike (tandem.distributions.adjust_logits), so the output is exactly
-    what the target alone gives with them."""
+    what the target alone gives with them.
+
+    presence_penalty and frequency_penalty (OpenAI's): a token's logit is
+    lowered by presence_penalty if it came among the tokens generated before
+    the position (from absolute position penalty_start on: the request's
+    completion, not its prompt), and by frequency_penalty times how often."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -35,6 +41,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     suppress_ids: tuple[int, ...] = ()
     suppress_before: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_start: int = 0
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):
@@ -48,11 +57,19 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token {token}'s bias must be in [-100, 100], got {bias}")
         if any(token < 0 for token in self.suppress_ids):
             raise ValueError("suppress_ids must be token ids (>= 0)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # NaN fails too
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
     @property
     def adjusts(self) -> bool:
         """Whether the logits are changed before they are used (logit_bias, suppress_ids)."""
-        return bool(self.logit_bias) or bool(self.suppress_ids and self.suppress_before)
+        return (bool(self.logit_bias) or bool(self.suppress_ids and self.suppress_before)
+                or self.penalizes)
+
+    @property
+    def penalizes(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         suppress_ids=tuple(msg.suppress_tokens),
         suppress_before=msg.suppress_before,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        penalty_start=msg.penalty_start,
     )
 
 
@@ -24,5 +27,6 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
         logit_bias=dict(params.logit_bias), suppress_tokens=params.suppress_ids,
-        suppress_before=params.suppress_before,
+        suppress_before=params.suppress_before, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, penalty_start=params.penalty_start,
     )

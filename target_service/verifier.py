@@ -169,14 +169,15 @@ class Verifier:
         k = len(call.draft_tokens)
         if call.sampling.greedy:
             verdict = verify_greedy(call.draft_tokens,
-                                    adjust_logits(logits, call.sampling, first_draft_pos).argmax(dim=-1).tolist())
+                                    adjust_logits(logits, call.sampling, first_draft_pos, cache.tokens)
+                                    .argmax(dim=-1).tolist())
         else:
             seed = call.sampling.seed
             verdict = verify_sampled(
                 call.draft_tokens,
                 call.draft_probs,
                 None if call.draft_dists is None else call.draft_dists.to(logits.device),
-                logits_to_probs(logits, call.sampling, first_draft_pos),
+                logits_to_probs(logits, call.sampling, first_draft_pos, cache.tokens),
                 rng.uniforms(seed, rng.ACCEPT, first_draft_pos, k),
                 rng.uniforms(seed, rng.TARGET, first_draft_pos, k + 1),
             )

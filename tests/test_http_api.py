@@ -344,7 +344,8 @@ def test_logit_bias_and_min_tokens_reach_the_models(http, char_models):
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(temperature=-1), "temperature", "temperature"),
     (dict(n=17), "n", "'n' must be in [1, 16]"),
-    (dict(frequency_penalty=0.5), "frequency_penalty", "not supported"),
+    (dict(frequency_penalty=2.5), "frequency_penalty", "in [-2, 2]"),
+    (dict(best_of=2), "best_of", "not supported"),
     (dict(extra_body={"logit_bias": {"5": 101}}), "logit_bias", "in [-100, 100]"),
     (dict(extra_body={"logit_bias": {"x": 1}}), "logit_bias", "maps token ids to numbers"),
     (dict(echo=True, suffix="x"), "suffix", "not supported"),

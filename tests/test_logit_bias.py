@@ -1,7 +1,8 @@
-"""logit_bias and min_tokens: both change the distribution the target decodes
-from, on both services alike (tandem.distributions.adjust_logits). Greedy
-output equals Hugging Face's generate on the target alone with the same
-processing; sampled output keeps to the adjusted distribution."""
+"""logit_bias, min_tokens and the presence and frequency penalties: each
+changes the distribution the target decodes from, on both services alike
+(tandem.distributions.adjust_logits). Greedy output equals Hugging Face's
+generate on the target alone with the same processing; sampled output keeps
+to the adjusted distribution."""
 import grpc
 import pytest
 import torch
@@ -25,14 +26,31 @@ class Bias(LogitsProcessor):
         return scores
 
 
-def reference_biased(model_dir: str, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
-    """Hugging Face generate(do_sample=False) on the target alone, with the bias."""
+class Penalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids):
+            counts = torch.bincount(ids[self.prompt_len:], minlength=scores.shape[-1]).float()
+            scores[row] -= self.frequency * counts + self.presence * (counts > 0).float()
+        return scores
+
+
+def reference_processed(model_dir: str, prompt: list[int], n: int, *processors) -> list[int]:
+    """Hugging Face generate(do_sample=False) on the target alone, with the processors."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([Bias(bias)]))
+                             do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList(processors))
     return out[0, len(prompt):].tolist()
+
+
+def reference_biased(model_dir: str, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
+    return reference_processed(model_dir, prompt, n, Bias(bias))
 
 
 def test_adjust_logits_biases_every_row_and_suppresses_by_position():
@@ -69,7 +87,41 @@ def test_greedy_with_a_logit_bias_equals_the_target_alone_with_it(cluster, tiny_
             result = client.generate(prompt_ids=prompt, max_tokens=24, logit_bias=bias, pipeline=pipeline,
                                      num_draft_tokens=3)
             assert result.token_ids == expected
-            assert result.stats.accepted_tokens > 0  # the draft, biased alike, still drafts tokens that hold
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_greedy_with_penalties_equals_the_target_alone_with_them(cluster, tiny_models, pipeline):
+    """Penalties count the completion's tokens before each position, drafted
+    ones within a block included: a draft token is scored after the ones
+    before it in its block."""
+    target = tiny_models["target"]
+    with cluster.client() as client:
+        for prompt, presence, frequency in ((PROMPTS[0], 0.8, 0.6), (PROMPTS[1], -0.5, 1.5)):
+            expected = reference_processed(target, prompt, 32, Penalties(len(prompt), presence, frequency))
+            assert expected != reference_greedy(target, prompt, 32)
+            result = client.generate(prompt_ids=prompt, max_tokens=32, presence_penalty=presence,
+                                     frequency_penalty=frequency, pipeline=pipeline, num_draft_tokens=3)
+            assert result.token_ids == expected
+        # Sampled, a seed gives the same tokens with the pipeline on and off.
+        runs = [client.generate(prompt_ids=PROMPTS[0], max_tokens=32, temperature=0.8, seed=6, presence_penalty=1.0,
+                                frequency_penalty=0.5, pipeline=p) for p in (True, False)]
+        assert runs[0].token_ids == runs[1].token_ids
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_a_draft_that_is_the_target_adjusts_alike_and_is_always_accepted(same_cluster, tiny_models, pipeline):
+    """With the target as its own draft, every drafted token holds only if the
+    draft applies the same bias, penalties and min_tokens at the same
+    positions as the target."""
+    target = tiny_models["target"]
+    prompt = PROMPTS[0]
+    bias = {reference_greedy(target, prompt, 1)[0]: -100.0, 77: 2.0}
+    expected = reference_processed(target, prompt, 32, Bias(bias), Penalties(len(prompt), 0.7, 0.9))
+    with same_cluster.client() as client:
+        result = client.generate(prompt_ids=prompt, max_tokens=32, logit_bias=bias, presence_penalty=0.7,
+                                 frequency_penalty=0.9, pipeline=pipeline, num_draft_tokens=4)
+    assert result.token_ids == expected
+    assert result.stats.drafted_tokens > 16 and result.stats.accepted_tokens == result.stats.drafted_tokens
 
 
 def test_sampling_keeps_to_the_biased_distribution(cluster):
