@@ -7,6 +7,7 @@ target-only sampling would draw from (DESIGN §2, invariant 4).
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 import numpy as np
@@ -30,9 +31,11 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
     if not params.adjusts:
         return logits
     vocab = logits.shape[-1]
-    out = logits.float().clone()
+    out = logits.to(torch.float32, copy=True)
     if params.penalizes:
-        out -= _penalties(params, first_position, out.shape[0], tokens, vocab).to(out.device)
+        ids, penalties = _penalties(params, first_position, out.shape[0], tokens, vocab)
+        if len(ids):
+            out[:, ids.to(out.device)] -= penalties.to(out.device)
     bias = [(token, value) for token, value in params.logit_bias if token < vocab]
     if bias:
         ids = torch.tensor([token for token, _ in bias], device=out.device)
@@ -45,18 +48,25 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
 
 
 def _penalties(params: SamplingParams, first_position: int, rows: int, tokens: Sequence[int],
-               vocab: int) -> torch.Tensor:
-    """[rows, vocab]: what the presence and frequency penalties take off each row."""
+               vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the presence and frequency penalties take off each row, sparsely:
+    the token ids that came in the completion before the last row, and a [rows,
+    len(ids)] tensor of what each row loses at each."""
     assert len(tokens) >= first_position + rows - 1, "the tokens before the last row are needed"
-    counts = torch.zeros(rows, vocab)
-    seen = [t for t in tokens[params.penalty_start:first_position] if t < vocab]
-    if seen:
-        counts[:] = torch.bincount(torch.tensor(seen), minlength=vocab)[:vocab].float()
-    for i in range(1, rows):  # row i also counts the block's tokens before it
-        token = tokens[first_position + i - 1]
-        if first_position + i - 1 >= params.penalty_start and token < vocab:
-            counts[i:, token] += 1
-    return params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    before = tokens[params.penalty_start:first_position]
+    block = [tokens[first_position + i - 1] if first_position + i - 1 >= params.penalty_start else -1
+             for i in range(1, rows)]  # the token before row i, for rows past the first
+    seen = Counter(t for t in before if 0 <= t < vocab)
+    ids = sorted(seen.keys() | {t for t in block if 0 <= t < vocab})
+    column = {t: j for j, t in enumerate(ids)}
+    table = [[seen[t] for t in ids]]  # row 0's counts; each later row adds the block token before it
+    for t in block:
+        row = list(table[-1])
+        if t in column:
+            row[column[t]] += 1
+        table.append(row)
+    counts = torch.tensor(table, dtype=torch.float32).reshape(rows, len(ids))
+    return torch.tensor(ids, dtype=torch.long), params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams, first_position: int = 0,

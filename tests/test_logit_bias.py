@@ -67,6 +67,18 @@ def test_adjust_logits_biases_every_row_and_suppresses_by_position():
         SamplingParams(logit_bias=((3, 101.0),))
 
 
+def test_penalties_count_the_completion_before_each_row():
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 12, (40,), generator=generator).tolist()
+    params = SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4, penalty_start=10)
+    logits = torch.randn(5, 12, generator=generator)
+    out = adjust_logits(logits, params, first_position=36, tokens=tokens)  # rows at positions 36..40
+    for i in range(5):
+        counts = torch.bincount(torch.tensor(tokens[10:36 + i]), minlength=12).float()
+        expected = logits[i] - 0.7 * (counts > 0).float() + 0.4 * counts
+        torch.testing.assert_close(out[i], expected)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_models, near_draft):
     cluster = Cluster(tiny_models["target"], near_draft, tree_width=4, target_graphs="off")
