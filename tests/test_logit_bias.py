@@ -4,6 +4,7 @@ changes the distribution the target decodes from, on both services alike
 generate on the target alone with the same processing; sampled output keeps
 to the adjusted distribution."""
 import grpc
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -182,3 +183,46 @@ def test_min_tokens_keeps_the_end_of_sequence_out_as_min_new_tokens_does(ending,
         with pytest.raises(grpc.RpcError) as caught:
             client.generate(prompt_ids=PROMPT, max_tokens=4, min_tokens=5)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in caught.value.details()
+
+
+def test_sampled_tokens_follow_the_adjusted_target_distribution(random_cluster, tiny_models):
+    """End to end, under sampling with an unrelated draft (most drafted tokens
+    rejected, so the second token comes from the accept rule and its residual
+    draws): the second generated token's frequencies over many seeds match
+    its exact marginal under the target's adjusted distribution, where the
+    first token's presence and frequency penalty applies to the second."""
+    from scipy.stats import chisquare
+
+    prompt, n = PROMPTS[1], 1200
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32).eval()
+    with torch.inference_mode():
+        plain = model(torch.tensor([prompt])).logits[0, -1]
+    # A bias that makes token 5 the first token 9 times in 10; the penalties then
+    # weigh on it as the second (without them it would come second as often).
+    others = torch.cat([plain[:5], plain[6:]])
+    bias = {5: round(float(torch.log(torch.tensor(9.0)) + torch.logsumexp(others, 0) - plain[5]), 3), 9: -3.0}
+    params = SamplingParams(temperature=1.0, logit_bias=tuple(sorted(bias.items())), presence_penalty=2.0,
+                            frequency_penalty=2.0, penalty_start=len(prompt))
+    with torch.inference_mode():
+        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1:], params, len(prompt), prompt)[0]
+        seconds = torch.stack([
+            logits_to_probs(model(torch.tensor([prompt + [x]])).logits[0, -1:], params, len(prompt) + 1,
+                            prompt + [x])[0] for x in range(first.shape[0])])
+    exact = (first[:, None] * seconds).sum(0).double().numpy()
+    exact /= exact.sum()
+    counts = np.zeros(len(exact))
+    accepted = 0
+    with random_cluster.client() as client:
+        for seed in range(n):
+            result = client.generate(prompt_ids=prompt, max_tokens=2, temperature=1.0, seed=seed,
+                                     logit_bias=bias, presence_penalty=2.0, frequency_penalty=2.0,
+                                     num_draft_tokens=2)
+            counts[result.token_ids[1]] += 1
+            accepted += result.stats.accepted_tokens
+    assert accepted < n / 2  # mostly rejections: the residual draws are tested, not the draft's
+    expected = exact * n
+    big = expected >= 5  # the rest in one bin
+    observed = np.append(counts[big], counts[~big].sum())
+    assert chisquare(observed, np.append(expected[big], expected[~big].sum())).pvalue > 1e-3
+    # Without the penalties on the target's side, token 5 would come second this often instead:
+    assert abs(counts[5] / n - exact[5]) < 0.05 and exact[5] < 0.5 < first[5]
