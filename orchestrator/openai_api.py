@@ -47,7 +47,7 @@ HTTP_STATUS = {
 # exactly the target's distribution after the processing it applies alike on
 # both services (tandem.distributions).
 CHANGES_SAMPLING = ("Tandem samples exactly the target model's distribution, after logit_bias, min_tokens, "
-                    "the penalties, temperature, top_p and top_k only")
+                    "the penalties, temperature, min_p, top_k and top_p only")
 UNSUPPORTED = {
     "best_of": ((1,), CHANGES_SAMPLING),
     "suffix": (("",), "there is no insertion mode"),
@@ -189,6 +189,10 @@ def _params(body: dict, max_tokens_names: tuple[str, ...], chat: bool) -> tandem
     for name in ("presence_penalty", "frequency_penalty"):
         if (penalty := _number(body, name, -2, 2)) is not None:
             setattr(params, name, penalty)
+    if (repetition := _number(body, "repetition_penalty", 0, 1e6, low_open=True)) is not None:
+        params.repetition_penalty = repetition
+    if (min_p := _number(body, "min_p", 0, 1)) is not None:
+        params.min_p = min_p
     if (min_tokens := _number(body, "min_tokens", 0, INT32_MAX, integer=True)) is not None:
         params.min_tokens = min_tokens
     bias = body.get("logit_bias")

@@ -188,6 +188,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             logit_bias=self._logit_bias(msg.logit_bias),
             presence_penalty=msg.presence_penalty,
             frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            min_p=msg.min_p,
         )
         if msg.stop:
             self._need_tokenizer("a stop string")

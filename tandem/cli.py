@@ -134,6 +134,10 @@ def _add_sampling_flags(p) -> None:
     for name in ("presence", "frequency"):
         p.add_argument(f"--{name}-penalty", type=float, default=None,
                        help=f"OpenAI's {name}_penalty, in [-2, 2] (default: 0)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the positive logits of tokens already in the sequence by this, > 0 (default: 1, off)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="sampling: drop tokens less likely than this times the likeliest (default: 0, off)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate past end-of-sequence tokens, to --max-tokens (for benchmarks)")
     p.add_argument("--k", type=_int_in(0, INT32_MAX), default=None,
@@ -169,6 +173,7 @@ def _sampling_kwargs(args) -> dict:
         ignore_eos=args.ignore_eos or None, stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
         logit_bias=dict(args.logit_bias) if args.logit_bias else None,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, min_p=args.min_p,
     )
 
 

@@ -24,7 +24,9 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
     tokens[penalty_start: first_position + i], `tokens` being the sequence up
     to the last row's position at least) and its suppressed tokens at -inf where
     the position is below suppress_before; the logits themselves when the
-    request adjusts nothing. Greedy decoding takes the argmax of these, sampling
+    request adjusts nothing. In that order: the repetition penalty (over the
+    whole sequence before each position), the presence and frequency penalties,
+    the bias, the suppression. Greedy decoding takes the argmax of these, sampling
     their processed probabilities (logits_to_probs). Ids past the vocabulary
     are ignored (a draft's may be narrower than the target's)."""
     assert logits.ndim == 2, logits.shape
@@ -32,6 +34,8 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
         return logits
     vocab = logits.shape[-1]
     out = logits.to(torch.float32, copy=True)
+    if params.repetition_penalty != 1.0:
+        _repeat(out, params.repetition_penalty, first_position, tokens)
     if params.penalizes:
         ids, penalties = _penalties(params, first_position, out.shape[0], tokens, vocab)
         if len(ids):
@@ -45,6 +49,22 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
     if rows and suppressed:
         out[:rows, torch.tensor(suppressed, device=out.device)] = float("-inf")
     return out
+
+
+def _repeat(out: torch.Tensor, penalty: float, first_position: int, tokens: Sequence[int]) -> None:
+    """The repetition penalty, in place: in row i, over the tokens of the
+    sequence before position first_position + i."""
+    rows, vocab = out.shape
+    assert len(tokens) >= first_position + rows - 1, "the tokens before the last row are needed"
+    base = {t for t in tokens[:first_position] if 0 <= t < vocab}
+    ids = torch.tensor(sorted(base), dtype=torch.long, device=out.device)
+    added: list[int] = []  # the block's tokens before the row that the sequence did not hold
+    for i in range(rows):
+        if i and 0 <= (t := tokens[first_position + i - 1]) < vocab and t not in base and t not in added:
+            added.append(t)
+        row_ids = torch.cat([ids, torch.tensor(added, dtype=torch.long, device=out.device)]) if added else ids
+        values = out[i, row_ids]
+        out[i, row_ids] = torch.where(values > 0, values / penalty, values * penalty)
 
 
 def _penalties(params: SamplingParams, first_position: int, rows: int, tokens: Sequence[int],
@@ -77,6 +97,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, first_position
     assert logits.ndim == 2, logits.shape
     assert not params.greedy, "greedy decoding uses argmax, not probabilities"
     scores = adjust_logits(logits, params, first_position, tokens).float() / params.temperature
+    if params.min_p:
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -32,7 +32,11 @@ class SamplingParams:
     presence_penalty and frequency_penalty (OpenAI's): a token's logit is
     lowered by presence_penalty if it came among the tokens generated before
     the position (from absolute position penalty_start on: the request's
-    completion, not its prompt), and by frequency_penalty times how often."""
+    completion, not its prompt), and by frequency_penalty times how often.
+    repetition_penalty (vLLM's and Hugging Face's; 1 = off) divides a positive
+    logit, and multiplies a negative one, of every token already in the
+    sequence, prompt included. min_p (sampling only; 0 = off) drops the tokens
+    less likely than min_p times the likeliest, after temperature."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -44,6 +48,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     penalty_start: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):
@@ -57,6 +63,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token {token}'s bias must be in [-100, 100], got {bias}")
         if any(token < 0 for token in self.suppress_ids):
             raise ValueError("suppress_ids must be token ids (>= 0)")
+        if not 0 < self.repetition_penalty < float("inf"):  # NaN fails too
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # NaN fails too
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -65,7 +75,7 @@ class SamplingParams:
     def adjusts(self) -> bool:
         """Whether the logits are changed before they are used (logit_bias, suppress_ids)."""
         return (bool(self.logit_bias) or bool(self.suppress_ids and self.suppress_before)
-                or self.penalizes)
+                or self.penalizes or self.repetition_penalty != 1.0)
 
     @property
     def penalizes(self) -> bool:

@@ -20,6 +20,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         penalty_start=msg.penalty_start,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        min_p=msg.min_p,
     )
 
 
@@ -29,4 +31,5 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         logit_bias=dict(params.logit_bias), suppress_tokens=params.suppress_ids,
         suppress_before=params.suppress_before, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, penalty_start=params.penalty_start,
+        repetition_penalty=params.repetition_penalty, min_p=params.min_p,
     )

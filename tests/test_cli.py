@@ -46,7 +46,7 @@ def test_sampling_flags_become_the_request_parameters():
 
     args = build_parser().parse_args(["generate", "x", "--logit-bias", "5=-100", "--logit-bias", "7=2.5",
                                       "--min-tokens", "3", "--stop-token-id", "9", "--ignore-eos", "--logprobs", "2",
-                                      "--frequency-penalty", "0.5"])
+                                      "--frequency-penalty", "0.5", "--repetition-penalty", "1.1", "--min-p", "0.05"])
     kwargs = _sampling_kwargs(args)
     assert kwargs["logit_bias"] == {5: -100.0, 7: 2.5} and kwargs["min_tokens"] == 3
     assert kwargs["stop_token_ids"] == [9] and kwargs["ignore_eos"] and kwargs["top_logprobs"] == 2
@@ -55,6 +55,7 @@ def test_sampling_flags_become_the_request_parameters():
     message = params_message(**kwargs)  # what the client sends
     assert dict(message.logit_bias) == {5: -100.0, 7: 2.5} and message.logprobs
     assert message.frequency_penalty == 0.5 and not message.HasField("presence_penalty")
+    assert abs(message.repetition_penalty - 1.1) < 1e-6 and abs(message.min_p - 0.05) < 1e-6
     for bad in (["--logit-bias", "5"], ["--logit-bias", "5=101"], ["--min-tokens", "-1"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["generate", "x", *bad])

@@ -337,7 +337,8 @@ def test_logit_bias_and_min_tokens_reach_the_models(http, char_models):
                                              logit_bias={str(plain[0]): -100}, extra_body={"return_token_ids": True})
     assert answer.choices[0].token_ids == reference_biased(char_models["target"], ids, 12, {plain[0]: -100.0})
     forced = client(base).chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "x"}],
-                                                  max_tokens=6, logit_bias={"65": 100}, extra_body={"min_tokens": 2})
+                                                  max_tokens=6, logit_bias={"65": 100},
+                                                  extra_body={"min_tokens": 2, "repetition_penalty": 1.1, "min_p": 0.1})
     assert forced.choices[0].message.content == "AAAAAA"
 
 
@@ -345,6 +346,8 @@ def test_logit_bias_and_min_tokens_reach_the_models(http, char_models):
     (dict(temperature=-1), "temperature", "temperature"),
     (dict(n=17), "n", "'n' must be in [1, 16]"),
     (dict(frequency_penalty=2.5), "frequency_penalty", "in [-2, 2]"),
+    (dict(extra_body={"min_p": 1.5}), "min_p", "in [0, 1]"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty", "repetition_penalty"),
     (dict(best_of=2), "best_of", "not supported"),
     (dict(extra_body={"logit_bias": {"5": 101}}), "logit_bias", "in [-100, 100]"),
     (dict(extra_body={"logit_bias": {"x": 1}}), "logit_bias", "maps token ids to numbers"),

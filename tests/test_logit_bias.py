@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper)
 
 from tandem.distributions import adjust_logits, logits_to_probs
 from tandem.sampling import SamplingParams
@@ -80,6 +82,21 @@ def test_penalties_count_the_completion_before_each_row():
         torch.testing.assert_close(out[i], expected)
 
 
+def test_the_repetition_penalty_and_min_p_are_hugging_faces():
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 50, (30,), generator=generator).tolist()
+    logits = torch.randn(4, 50, generator=generator) * 3
+    out = adjust_logits(logits, SamplingParams(repetition_penalty=1.3), first_position=27, tokens=tokens)
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.7, min_p=0.2))
+    for i in range(4):
+        expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([tokens[:27 + i]]), logits[i:i + 1].clone())
+        torch.testing.assert_close(out[i], expected[0])
+        warped = MinPLogitsWarper(0.2)(None, TemperatureLogitsWarper(0.7)(None, logits[i:i + 1].clone()))
+        torch.testing.assert_close(probs[i], warped.softmax(-1)[0])
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0.0)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_models, near_draft):
     cluster = Cluster(tiny_models["target"], near_draft, tree_width=4, target_graphs="off")
@@ -124,17 +141,36 @@ def test_greedy_with_penalties_equals_the_target_alone_with_them(cluster, tiny_m
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
 def test_a_draft_that_is_the_target_adjusts_alike_and_is_always_accepted(same_cluster, tiny_models, pipeline):
     """With the target as its own draft, every drafted token holds only if the
-    draft applies the same bias, penalties and min_tokens at the same
-    positions as the target."""
+    draft applies the same bias and penalties at the same positions as the
+    target."""
     target = tiny_models["target"]
     prompt = PROMPTS[0]
     bias = {reference_greedy(target, prompt, 1)[0]: -100.0, 77: 2.0}
-    expected = reference_processed(target, prompt, 32, Bias(bias), Penalties(len(prompt), 0.7, 0.9))
+    expected = reference_processed(target, prompt, 32, RepetitionPenaltyLogitsProcessor(1.2), Bias(bias),
+                                   Penalties(len(prompt), 0.7, 0.9))
     with same_cluster.client() as client:
         result = client.generate(prompt_ids=prompt, max_tokens=32, logit_bias=bias, presence_penalty=0.7,
-                                 frequency_penalty=0.9, pipeline=pipeline, num_draft_tokens=4)
+                                 frequency_penalty=0.9, repetition_penalty=1.2, pipeline=pipeline, num_draft_tokens=4)
     assert result.token_ids == expected
     assert result.stats.drafted_tokens > 16 and result.stats.accepted_tokens == result.stats.drafted_tokens
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_greedy_with_a_repetition_penalty_equals_hugging_faces(cluster, tiny_models, pipeline):
+    target = tiny_models["target"]
+    with cluster.client() as client:
+        for prompt in PROMPTS:
+            expected = reference_processed(target, prompt, 32, RepetitionPenaltyLogitsProcessor(1.4))
+            assert expected != reference_greedy(target, prompt, 32)
+            result = client.generate(prompt_ids=prompt, max_tokens=32, repetition_penalty=1.4, pipeline=pipeline)
+            assert result.token_ids == expected
+        # min_p 1 keeps only the likeliest token: sampling then gives the greedy output.
+        sampled = client.generate(prompt_ids=PROMPTS[0], max_tokens=32, temperature=1.0, seed=8, min_p=1.0,
+                                  pipeline=pipeline)
+        assert sampled.token_ids == reference_greedy(target, PROMPTS[0], 32)
+        with pytest.raises(grpc.RpcError) as caught:
+            client.generate(prompt_ids=PROMPTS[0], max_tokens=4, repetition_penalty=-1.0)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_sampling_keeps_to_the_biased_distribution(cluster):
@@ -202,7 +238,7 @@ def test_sampled_tokens_follow_the_adjusted_target_distribution(random_cluster, 
     others = torch.cat([plain[:5], plain[6:]])
     bias = {5: round(float(torch.log(torch.tensor(9.0)) + torch.logsumexp(others, 0) - plain[5]), 3), 9: -3.0}
     params = SamplingParams(temperature=1.0, logit_bias=tuple(sorted(bias.items())), presence_penalty=2.0,
-                            frequency_penalty=2.0, penalty_start=len(prompt))
+                            frequency_penalty=2.0, penalty_start=len(prompt), repetition_penalty=1.2, min_p=0.01)
     with torch.inference_mode():
         first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1:], params, len(prompt), prompt)[0]
         seconds = torch.stack([
@@ -216,6 +252,7 @@ def test_sampled_tokens_follow_the_adjusted_target_distribution(random_cluster, 
         for seed in range(n):
             result = client.generate(prompt_ids=prompt, max_tokens=2, temperature=1.0, seed=seed,
                                      logit_bias=bias, presence_penalty=2.0, frequency_penalty=2.0,
+                                     repetition_penalty=1.2, min_p=0.01,
                                      num_draft_tokens=2)
             counts[result.token_ids[1]] += 1
             accepted += result.stats.accepted_tokens
