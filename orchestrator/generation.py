@@ -160,11 +160,12 @@ class Generation:
         started = time.perf_counter()
         echoed = list(record.tokens) + turn if params.echo or params.prompt_logprobs is not None else None
         await self.store.append_tokens(record, turn)  # the turn is committed first
+        eos = self._end_ids(params)
+        ends = eos | params.stop_token_ids  # the tokens that end the request
         sampling = params.sampling
         if sampling.penalizes:  # over the completion: from the first generated token's position on
             sampling = dataclasses.replace(sampling, penalty_start=len(record.tokens))
         if params.min_tokens:  # the first generated token is at position len(record.tokens)
-            ends = self._end_ids(params) | params.stop_token_ids
             sampling = dataclasses.replace(sampling, suppress_ids=tuple(sorted(ends)),
                                            suppress_before=len(record.tokens) + params.min_tokens)
         pipeline = self.pipeline_for(params)
@@ -176,7 +177,7 @@ class Generation:
             min(self.config.max_context, self.draft_max_context or self.config.max_context), span,
             self.breaker, self.prefill_overlap(params), self.config.tree_width,
             end=min(self.config.max_context, len(record.tokens) + params.max_tokens),
-            end_ids=self._end_ids(params) | params.stop_token_ids, logprobs=params.logprobs,
+            end_ids=ends, logprobs=params.logprobs,
             prompt_logprobs=params.prompt_logprobs, plain_first=params.seeded and not params.sampling.greedy,
         )
         metrics = RequestMetrics(telemetry.instruments())
@@ -189,7 +190,7 @@ class Generation:
         rounds = decoder.rounds()
         try:
             async for newly in rounds:
-                keep, finish = self._cut(newly, completion, params, room)
+                keep, finish = self._cut(newly, completion, params, room, eos)
                 if keep:
                     await self.store.append_tokens(record, keep)
                     completion.extend(keep)
@@ -290,9 +291,9 @@ class Generation:
         """The tokens that end the request as end of sequence."""
         return frozenset() if params.ignore_eos else frozenset(self.eos_ids)
 
-    def _cut(self, newly, completion, params, room):
-        """The part of a round's tokens to commit, and the finish reason it causes."""
-        eos = self._end_ids(params)
+    def _cut(self, newly, completion, params, room, eos: frozenset[int]):
+        """The part of a round's tokens to commit, and the finish reason it
+        causes; `eos`: the request's end-of-sequence tokens."""
         limit = min(params.max_tokens, room) - len(completion)
         at_limit = tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens <= room else tandem_pb2.FINISH_REASON_CONTEXT
         # A stop string ending at a new token lies within its last tokens: a token

@@ -39,6 +39,7 @@ class Gateway:
         self.channel = serving.insecure_channel(grpc_address)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self._model = served_model_name
+        self._info: tandem_pb2.ServerInfo | None = None  # the target's facts, fixed while the orchestrator runs
         self._finishing: set[asyncio.Task] = set()  # calls read to their end after their final event
         # A body as large as a gRPC message (aiohttp's default is 1 MiB: a long
         # conversation, or a long prompt as token ids, would not fit).
@@ -73,10 +74,17 @@ class Gateway:
             return web.json_response(body.body(), status=err.status, headers={
                 k: v for k, v in err.headers.items() if k.lower() == "allow"})
 
+    async def target_info(self) -> tandem_pb2.ServerInfo:
+        """The orchestrator's ServerInfo, asked once: its target's model id,
+        context window and tokenizer do not change while it runs (the draft's
+        pairing may; nothing here reads it)."""
+        if self._info is None:
+            self._info = await self.stub.GetServerInfo(tandem_pb2.GetServerInfoRequest(), timeout=INFO_TIMEOUT_S)
+        return self._info
+
     async def model_name(self) -> str:
         if not self._model:
-            info = await self.stub.GetServerInfo(tandem_pb2.GetServerInfoRequest(), timeout=INFO_TIMEOUT_S)
-            self._model = info.target_model
+            self._model = (await self.target_info()).target_model
         return self._model
 
     @staticmethod
@@ -112,7 +120,7 @@ class Gateway:
         body = await self._body(request)
         tokenize = tokenize_request(body)
         reply = await self.stub.Tokenize(tokenize, metadata=self._metadata(request))
-        info = await self.stub.GetServerInfo(tandem_pb2.GetServerInfoRequest(), timeout=INFO_TIMEOUT_S)
+        info = await self.target_info()
         return web.json_response({"count": len(reply.token_ids), "max_model_len": info.max_context,
                                   "tokens": list(reply.token_ids), "token_strs": None})
 
@@ -124,7 +132,7 @@ class Gateway:
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
         """vLLM's /tokenizer_info: the special tokens and the chat template."""
-        info = await self.stub.GetServerInfo(tandem_pb2.GetServerInfoRequest(), timeout=INFO_TIMEOUT_S)
+        info = await self.target_info()
         if not info.has_tokenizer:
             raise ApiError(404, "the model has no tokenizer", "not_found_error")
         t = info.tokenizer
