@@ -57,10 +57,15 @@ class Drafter(Protocol):
 def draw(logits: torch.Tensor, call: ProposeCall, position: int, first: bool, tokens=()):
     """One drafted token from [vocab] logits at absolute `position` after
     `tokens` (the sequence before it, for penalties): (token, its probability,
-    distribution)."""
+    distribution); None when the request's grammar leaves no token that this
+    draft scores (a reduced head scores only its frequent tokens)."""
     if call.sampling.greedy:
-        return int(adjust_logits(logits[None], call.sampling, position, tokens)[0].argmax()), None, None
+        ranked = adjust_logits(logits[None], call.sampling, position, tokens)[0]
+        token = int(ranked.argmax())
+        return None if call.sampling.grammar and ranked[token] == float("-inf") else (token, None, None)
     dist = logits_to_probs(logits[None], call.sampling, position, tokens)[0]
+    if call.sampling.grammar and not bool(dist.isfinite().all()):  # every token scored masked: 0/0
+        return None
     stream = rng.TARGET if (first and call.first_is_bonus_guess) else rng.DRAFT
     token = sample(dist, rng.uniform(call.sampling.seed, stream, position))
     return token, float(dist[token]), dist
@@ -214,10 +219,19 @@ class ModelDrafter:
                 if ranks:  # greedy: the token and its runner-up in one pass over the logits
                     ranked = adjust_logits(logits[None], call.sampling, len(cache), cache.tokens)[0]
                     token, runner_up = ranked.topk(2).indices.tolist()
+                    if call.sampling.grammar and ranked[token] == float("-inf"):  # as in draw
+                        if i:
+                            cache.crop(len(cache) - 1)
+                        break
                     prob = dist = None
                     runners_up.append(runner_up)
                 else:
-                    token, prob, dist = draw(logits, call, position=len(cache), first=i == 0, tokens=cache.tokens)
+                    drawn = draw(logits, call, position=len(cache), first=i == 0, tokens=cache.tokens)
+                    if drawn is None:  # the grammar allows none of the tokens this draft scores
+                        if i:
+                            cache.crop(len(cache) - 1)  # the history holds the drafted tokens but the last
+                        break
+                    token, prob, dist = drawn
                 steps_ms.append((time.perf_counter() - step_start) * 1e3)
                 tokens.append(token)
                 if prob is not None:

@@ -143,7 +143,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         if not 1 <= request.num_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidRequest(f"num_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {request.num_tokens}")
         try:
-            sampling = sampling_from_proto(request.sampling)
+            sampling = sampling_from_proto(request.sampling, self.grammars)
         except ValueError as err:
             raise InvalidRequest(str(err)) from None
         self.check_context(request.prefix.length + len(new_tokens) + request.num_tokens - 1)  # the last is not run

@@ -43,6 +43,7 @@ class RequestParams:
     echo: bool = False  # the first delta carries the prompt
     prompt_logprobs: int | None = None  # and with it its tokens' log probabilities and the n likeliest
     min_tokens: int = 0  # no end-of-sequence token (nor stop token id) among the first min_tokens
+    grammar: str = ""  # structured output: the completion follows this llguidance grammar (tandem.structured)
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -57,6 +58,12 @@ class RequestParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        if self.grammar and self.ignore_eos:
+            raise ValueError("structured output cannot be combined with ignore_eos: the end-of-sequence "
+                             "token is what ends a complete output")
+        if self.grammar and self.min_tokens:
+            raise ValueError("structured output cannot be combined with min_tokens: an output complete "
+                             "before min_tokens could not end")
 
 
 @dataclass(frozen=True)
@@ -159,12 +166,15 @@ class Generation:
         prompt's tokens before `turn`, already the session's (prefix reuse)."""
         started = time.perf_counter()
         echoed = list(record.tokens) + turn if params.echo or params.prompt_logprobs is not None else None
-        await self.store.append_tokens(record, turn)  # the turn is committed first
         eos = self._end_ids(params)
         ends = eos | params.stop_token_ids  # the tokens that end the request
+        await self.store.append_tokens(record, turn)  # the turn is committed first
         sampling = params.sampling
         if sampling.penalizes:  # over the completion: from the first generated token's position on
             sampling = dataclasses.replace(sampling, penalty_start=len(record.tokens))
+        if params.grammar:  # over the completion, ended by the request's end tokens once complete
+            sampling = dataclasses.replace(sampling, grammar=params.grammar, grammar_start=len(record.tokens),
+                                           grammar_end_ids=tuple(sorted(ends)))
         if params.min_tokens:  # the first generated token is at position len(record.tokens)
             sampling = dataclasses.replace(sampling, suppress_ids=tuple(sorted(ends)),
                                            suppress_before=len(record.tokens) + params.min_tokens)

@@ -19,6 +19,7 @@ from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, S
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
 from tandem.sampling import MAX_LOGIT_BIASES, SamplingParams
+from tandem.structured import FORMATS, build_grammar
 from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
@@ -193,6 +194,13 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         )
         if msg.stop:
             self._need_tokenizer("a stop string")
+        grammar = ""
+        if msg.HasField("structured_output"):
+            self._need_tokenizer("structured output")
+            grammar = self._grammar(msg.structured_output)
+            if not self.target_info.eos_token_ids and not msg.stop_token_ids:
+                raise ValueError("structured output needs an end-of-sequence token to end a complete output, "
+                                 "and the model has none: give stop_token_ids")
         if msg.HasField("top_logprobs") and not msg.logprobs:
             raise ValueError("top_logprobs needs logprobs")
         return RequestParams(
@@ -208,7 +216,19 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             min_tokens=msg.min_tokens,
             stop_token_ids=frozenset(self._check_ids(list(msg.stop_token_ids), "stop_token_ids")),
+            grammar=grammar,
         )
+
+    @staticmethod
+    def _grammar(msg: tandem_pb2.StructuredOutput) -> str:
+        kind = msg.WhichOneof("format")
+        if kind is None:
+            raise ValueError("structured_output names no format: one of " + ", ".join(FORMATS))
+        if kind == "json_object" and not msg.json_object:
+            raise ValueError("structured_output.json_object must be true")
+        spec = {"choice": lambda: list(msg.choice.choices), "json_object": lambda: None}.get(
+            kind, lambda: getattr(msg, kind))()
+        return build_grammar(kind, spec)
 
     def _logit_bias(self, bias) -> tuple[tuple[int, float], ...]:
         if len(bias) > MAX_LOGIT_BIASES:

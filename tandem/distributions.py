@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from tandem.grammar import apply_masks
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2
 
@@ -26,7 +27,7 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
     the position is below suppress_before; the logits themselves when the
     request adjusts nothing. In that order: the repetition penalty (over the
     whole sequence before each position), the presence and frequency penalties,
-    the bias, the suppression. Greedy decoding takes the argmax of these, sampling
+    the bias, the suppression, the grammar's mask. Greedy decoding takes the argmax of these, sampling
     their processed probabilities (logits_to_probs). Ids past the vocabulary
     are ignored (a draft's may be narrower than the target's)."""
     assert logits.ndim == 2, logits.shape
@@ -48,6 +49,11 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
     suppressed = [token for token in params.suppress_ids if token < vocab]
     if rows and suppressed:
         out[:rows, torch.tensor(suppressed, device=out.device)] = float("-inf")
+    if params.grammar:
+        if params.masks is None:
+            raise RuntimeError("a grammar's masks need the service's GrammarMasks (tandem.wire.sampling_from_proto)")
+        apply_masks(out, params.masks.mask_rows(params.grammar, params.grammar_end_ids, params.grammar_start,
+                                                first_position, out.shape[0], tokens))
     return out
 
 

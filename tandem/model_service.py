@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from tandem import placement, serving, telemetry
+from tandem.grammar import GrammarMasks, GrammarUnavailable
 from tandem.modeling import LoadedModel
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2
@@ -66,6 +67,9 @@ class ModelServiceBase:
         self.info = info
         self.store = store
         self.worker = worker  # the thread that built the model (ModelWorker.start_up) and runs it
+        # structured output's masks (tandem.grammar), against this model's tokenizer
+        self.grammars = GrammarMasks(info.tokenizer if info is not None else None,
+                                     info.vocab_size if info is not None else 0)
         log.info("%s: calls of up to %d token rows run %s", self.role, INLINE_MAX_ROWS,
                  "on the event loop when the model thread is idle" if worker.inline else "on the model thread")
         self.prefill_tokens = 0
@@ -110,7 +114,16 @@ class ModelServiceBase:
         raise NotImplementedError
 
     async def checked_call(self, context, request):
-        """self._call(request), or the rpc ends with INVALID_ARGUMENT."""
+        """self._call(request), or the rpc ends with INVALID_ARGUMENT (or
+        FAILED_PRECONDITION: a grammar, and no tokenizer to compile it against)."""
+        grammar = request.sampling.grammar
+        if grammar and not self.grammars.compiled(grammar):
+            try:  # off the event loop: the first grammar builds the tokenizer's tables (seconds)
+                await asyncio.to_thread(self.grammars.check, grammar)
+            except GrammarUnavailable as err:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            except ValueError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         try:
             return self._call(request)
         except InvalidRequest as err:

@@ -4,7 +4,7 @@ runs without it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 # Temperatures below this decode greedily, as in vLLM: dividing float32 logits
@@ -36,7 +36,13 @@ class SamplingParams:
     repetition_penalty (vLLM's and Hugging Face's; 1 = off) divides a positive
     logit, and multiplies a negative one, of every token already in the
     sequence, prompt included. min_p (sampling only; 0 = off) drops the tokens
-    less likely than min_p times the likeliest, after temperature."""
+    less likely than min_p times the likeliest, after temperature.
+
+    grammar (structured output; tandem/structured.py): an llguidance grammar
+    that the tokens from absolute position grammar_start on must follow, with
+    grammar_end_ids ending it once it is complete (tandem/grammar.py masks the
+    rest at -inf). On a model service, masks is its tandem.grammar.GrammarMasks
+    (tandem.wire.sampling_from_proto binds it); it is not part of the value."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,6 +56,10 @@ class SamplingParams:
     penalty_start: int = 0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    grammar: str = ""
+    grammar_start: int = 0
+    grammar_end_ids: tuple[int, ...] = ()
+    masks: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):
@@ -73,9 +83,10 @@ class SamplingParams:
 
     @property
     def adjusts(self) -> bool:
-        """Whether the logits are changed before they are used (logit_bias, suppress_ids)."""
+        """Whether the logits are changed before they are used (a bias, a
+        suppression, a penalty, a grammar)."""
         return (bool(self.logit_bias) or bool(self.suppress_ids and self.suppress_before)
-                or self.penalizes or self.repetition_penalty != 1.0)
+                or self.penalizes or self.repetition_penalty != 1.0 or bool(self.grammar))
 
     @property
     def penalizes(self) -> bool:

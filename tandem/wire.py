@@ -7,8 +7,15 @@ from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises ValueError on out-of-range values."""
+def sampling_from_proto(msg: common_pb2.SamplingParams, masks=None) -> SamplingParams:
+    """Raises ValueError on out-of-range values. masks: the service's
+    tandem.grammar.GrammarMasks, which a request with a grammar needs (it is
+    compiled here: ValueError if it does not compile, GrammarUnavailable
+    without a tokenizer)."""
+    if msg.grammar:
+        if masks is None:
+            raise ValueError("structured output is not served here")
+        masks.check(msg.grammar)
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p != 0 else 1.0,
@@ -22,6 +29,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         penalty_start=msg.penalty_start,
         repetition_penalty=msg.repetition_penalty or 1.0,
         min_p=msg.min_p,
+        grammar=msg.grammar,
+        grammar_start=msg.grammar_start,
+        grammar_end_ids=tuple(msg.grammar_end_ids),
+        masks=masks if msg.grammar else None,
     )
 
 
@@ -32,4 +43,5 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         suppress_before=params.suppress_before, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, penalty_start=params.penalty_start,
         repetition_penalty=params.repetition_penalty, min_p=params.min_p,
+        grammar=params.grammar, grammar_start=params.grammar_start, grammar_end_ids=params.grammar_end_ids,
     )

@@ -94,7 +94,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         new_tokens = self.check_tokens(request.new_tokens, "new_tokens", vocab)
         draft_tokens = self.check_tokens(request.draft_tokens, "draft_tokens", vocab)
         try:
-            sampling = sampling_from_proto(request.sampling)
+            sampling = sampling_from_proto(request.sampling, self.grammars)
         except ValueError as err:
             raise InvalidRequest(str(err)) from None
         self.check_context(request.prefix.length + len(new_tokens) + len(draft_tokens))

@@ -1,0 +1,281 @@
+"""Structured output (a JSON schema, a regex, choices, a Lark grammar): both
+services mask what the grammar rules out (tandem.grammar), so greedy output
+equals Hugging Face's generate on the target alone under the same grammar, and
+sampled output keeps to the target's masked distribution.
+
+The models are the tiny random ones with a tokenizer of one token per ASCII
+character, whose end-of-sequence token is \\x03."""
+import json
+import re
+import shutil
+
+import grpc
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+from draft_service.server import DraftOptions
+from tandem.grammar import GrammarMasks
+from tandem.structured import build_grammar
+from tests.conftest import Cluster, save_char_tokenizer
+
+EOS = 3
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"},
+                                           "tag": {"enum": ["red", "green", "blue"]}},
+          "required": ["id", "ok", "tag"], "additionalProperties": False}
+FORMATS = {
+    "regex": ("regex", r"[a-z]{3}-[0-9]{2}"),
+    "choice": ("choice", ["yes", "no", "maybe", "yesterday"]),
+    "json_schema": ("json_schema", json.dumps(SCHEMA)),
+    "lark": ("lark", 'start: "(" num ("," num)* ")"\nnum: /[0-9]/'),
+}
+
+
+def _with_tokenizer(source: str, dest) -> str:
+    """A copy of the model at `source` with the character tokenizer, \\x03 its
+    end-of-sequence token (in its config and generation config too)."""
+    shutil.copytree(source, dest)
+    save_char_tokenizer(dest)
+    path = dest / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token"] = chr(EOS)
+    path.write_text(json.dumps(config))
+    for name in ("config.json", "generation_config.json"):
+        path = dest / name
+        config = json.loads(path.read_text())
+        config["eos_token_id"] = EOS
+        path.write_text(json.dumps(config))
+    return str(dest)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, near_draft, tmp_path_factory):
+    root = tmp_path_factory.mktemp("structured")
+    return {"target": _with_tokenizer(tiny_models["target"], root / "target"),
+            "near": _with_tokenizer(near_draft, root / "near"),
+            "other": _with_tokenizer(tiny_models["other"], root / "other")}
+
+
+class Grammar(LogitsProcessor):
+    """The reference: a fresh llguidance matcher per step over the tokens
+    generated so far, its end token the model's."""
+
+    def __init__(self, grammar: str, tokenizer, prompt_len: int):
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=128, eos_token=EOS)
+        self.grammar, self.prompt_len = grammar, prompt_len
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids):
+            matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+            assert matcher.consume_tokens(ids[self.prompt_len:].tolist())
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            scores[row, torch.from_numpy(bits[:128] == 0)] = float("-inf")
+        return scores
+
+
+def reference(model_dir: str, prompt: str, grammar: str, n: int) -> list[int]:
+    """Hugging Face generate(do_sample=False) on the target alone under the grammar."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, eos_token_id=EOS,
+                             logits_processor=LogitsProcessorList([Grammar(grammar, tokenizer, ids.shape[1])]))
+    return out[0, ids.shape[1]:].tolist()
+
+
+def structured(kind: str, spec) -> dict:
+    return {"structured_output": {"choice": {"choices": spec}} if kind == "choice" else {kind: spec}}
+
+
+def _complete(kind: str, spec, text: str) -> bool:
+    if kind == "regex":
+        return re.fullmatch(spec, text) is not None
+    if kind == "choice":
+        return text in spec
+    if kind == "json_schema":
+        value = json.loads(text)
+        return set(value) == {"id", "ok", "tag"} and value["tag"] in ("red", "green", "blue")
+    return re.fullmatch(r"\([0-9](,[0-9])*\)", text) is not None
+
+
+# --- the masks ---------------------------------------------------------------------
+
+def test_masks_are_a_function_of_the_tokens_whatever_the_matchers_did_before(models):
+    """Masks computed through the kept matchers (rolled back, shared by
+    sequences that part) equal a fresh matcher's, step by step; the request's
+    end ids stand in for the grammar's end once the output is complete; a row
+    after a token the grammar rules out, or after an end token, is left free."""
+    tokenizer = AutoTokenizer.from_pretrained(models["target"])
+    grammar = build_grammar("regex", r"(ab|ac)[0-9]{1,2}")
+    masks = GrammarMasks(tokenizer, 128)
+    fresh = Grammar(grammar, tokenizer, 0)
+
+    def expected(tokens: list[int], ends) -> torch.Tensor:
+        scores = torch.zeros(1, 128)
+        fresh(torch.tensor([tokens], dtype=torch.long), scores)
+        allowed = scores[0] == 0
+        accepting = bool(allowed[EOS])
+        allowed[EOS] = False
+        if accepting:
+            allowed[list(ends)] = True
+        return allowed
+
+    prompt = [ord(c) for c in "Q:"]
+    for text, ends in [("ab12", (EOS,)), ("ac7", (EOS, 120)), ("ab", (EOS,)), ("ac45", (EOS,)), ("ab1", (EOS,))]:
+        sequence = prompt + [ord(c) for c in text]
+        for first in range(len(prompt), len(sequence)):  # blocks starting anywhere, in an order that rolls back
+            rows = masks.mask_rows(grammar, ends, len(prompt), first, len(sequence) - first + 1, sequence)
+            for i, row in enumerate(rows):
+                assert torch.equal(row, expected(sequence[len(prompt): first + i], ends)), (text, first, i)
+    sequence = prompt + [ord(c) for c in "axb"] + [EOS, ord("a")]
+    rows = masks.mask_rows(grammar, (EOS,), len(prompt), len(prompt), 4, sequence)
+    assert rows[0] is not None and rows[1] is not None and rows[1][ord("x")] == 0 and rows[2:] == [None, None]
+    done = prompt + [ord(c) for c in "ab12"] + [EOS, ord("a")]
+    rows = masks.mask_rows(grammar, (EOS,), len(prompt), len(done) - 2, 2, done)
+    assert rows[0].nonzero().flatten().tolist() == [EOS] and rows[1] is None
+
+
+def test_a_grammar_that_does_not_compile_or_a_service_without_a_tokenizer_is_refused(models):
+    with pytest.raises(ValueError, match="regex"):
+        build_grammar("regex", "a(b")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        build_grammar("json_schema", "{")
+    with pytest.raises(ValueError, match="Invalid type"):
+        build_grammar("json_schema", '{"type": "nothing"}')
+    with pytest.raises(ValueError, match="non-empty"):
+        build_grammar("choice", [])
+    with pytest.raises(ValueError, match="tokenizer"):
+        GrammarMasks(None, 128).check(build_grammar("regex", "a+"))
+
+
+# --- end to end ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(models):
+    cluster = Cluster(models["target"], models["near"], target_graphs="off")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_greedy_under_a_grammar_equals_the_target_alone_under_it(cluster, models, name, pipeline):
+    kind, spec = FORMATS[name]
+    grammar = build_grammar(kind, spec)
+    with cluster.client() as client:
+        for prompt in ("A: ", "Answer with one word please: "):
+            expected = reference(models["target"], prompt, grammar, 48)
+            result = client.generate(prompt, max_tokens=48, pipeline=pipeline, num_draft_tokens=3,
+                                     **structured(kind, spec))
+            assert result.token_ids == expected
+            if expected[-1] == EOS:
+                assert result.finish_reason == "eos" and _complete(kind, spec, result.text)
+    # The bounded formats always complete within 48 tokens.
+    if name in ("regex", "choice"):
+        assert expected[-1] == EOS
+
+
+def test_a_draft_that_is_the_target_masks_alike_and_is_always_accepted(models):
+    cluster = Cluster(models["target"], models["target"], target_graphs="off")
+    try:
+        kind, spec = FORMATS["json_schema"]
+        expected = reference(models["target"], "A: ", build_grammar(kind, spec), 40)
+        with cluster.client() as client:
+            for pipeline in (True, False):
+                result = client.generate("A: ", max_tokens=40, pipeline=pipeline, num_draft_tokens=4,
+                                         **structured(kind, spec))
+                assert result.token_ids == expected
+                assert result.stats.drafted_tokens > 16
+                assert result.stats.accepted_tokens == result.stats.drafted_tokens
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("options", [DraftOptions(backend="ngram"), DraftOptions(vocab_subset=24)],
+                         ids=["ngram", "reduced-head"])
+def test_drafts_that_ignore_or_cannot_score_the_grammar_stay_lossless(models, options):
+    """Prompt lookup drafts tokens the grammar may rule out; a reduced head
+    may score none of the tokens it allows. The target's masks decide."""
+    cluster = Cluster(models["target"], models["near"], target_graphs="off", draft_options=options)
+    try:
+        with cluster.client() as client:
+            for name in ("regex", "json_schema"):
+                kind, spec = FORMATS[name]
+                prompt = "abc-12 abc-12 abc-1"
+                expected = reference(models["target"], prompt, build_grammar(kind, spec), 32)
+                for temperature in (0.0, 0.9):
+                    result = client.generate(prompt, max_tokens=32, num_draft_tokens=3, temperature=temperature,
+                                             seed=5, **structured(kind, spec))
+                    if temperature == 0.0:
+                        assert result.token_ids == expected
+                    elif result.finish_reason == "eos":
+                        assert _complete(kind, spec, result.text)
+    finally:
+        cluster.stop()
+
+
+def test_sampled_output_is_reproducible_and_follows_the_masked_distribution(models):
+    """Over many seeds, with an unrelated draft (most drafted tokens
+    rejected), the choices come as often as the target alone samples them
+    under the grammar: a product of its masked next-character probabilities."""
+    from scipy.stats import chisquare
+
+    choices = ["ab", "ac", "b", "ba", "c"]
+    tokenizer = AutoTokenizer.from_pretrained(models["target"])
+    model = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    prompt = tokenizer.encode("Pick: ")
+
+    def masked(prefix: str, allowed: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + tokenizer.encode(prefix)])).logits[0, -1]
+        keep = torch.full_like(logits, float("-inf"))
+        keep[allowed] = 0
+        return (logits + keep).softmax(-1)
+
+    a, b, c = (ord(x) for x in "abc")
+    first = masked("", [a, b, c])
+    after_a = masked("a", [b, c])
+    after_b = masked("b", [a, EOS])
+    exact = np.array([first[a] * after_a[b], first[a] * after_a[c], first[b] * after_b[EOS],
+                      first[b] * after_b[a], first[c]], dtype=np.float64)
+    exact /= exact.sum()
+    n = 600
+    counts = dict.fromkeys(choices, 0)
+    cluster = Cluster(models["target"], models["other"], target_graphs="off")
+    try:
+        with cluster.client() as client:
+            spec = structured("choice", choices)
+            runs = [client.generate("Pick: ", max_tokens=4, temperature=1.0, seed=11, pipeline=p, **spec)
+                    for p in (True, False)]
+            assert runs[0].token_ids == runs[1].token_ids
+            for seed in range(n):
+                result = client.generate("Pick: ", max_tokens=4, temperature=1.0, seed=seed, num_draft_tokens=2,
+                                         **spec)
+                assert result.finish_reason == "eos" and result.text in counts
+                counts[result.text] += 1
+    finally:
+        cluster.stop()
+    observed = np.array([counts[ch] for ch in choices])
+    assert chisquare(observed, exact * n).pvalue > 1e-3, (observed, exact * n)
+
+
+def test_bad_structured_output_requests_get_invalid_argument(cluster, tiny_models):
+    with cluster.client() as client:
+        for params, words in [
+            (structured("regex", "a(b"), "unclosed group"),
+            (structured("json_schema", "{"), "not valid JSON"),
+            ({**structured("regex", "a+"), "ignore_eos": True}, "ignore_eos"),
+            ({**structured("regex", "a+"), "min_tokens": 2}, "min_tokens"),
+            ({"structured_output": {}}, "names no format"),
+        ]:
+            with pytest.raises(grpc.RpcError) as caught:
+                client.generate("A: ", max_tokens=8, **params)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, params
+            assert words in caught.value.details(), caught.value.details()
+        # The session and the server are unharmed: a good request right after.
+        assert client.generate("A: ", max_tokens=8, **structured("regex", "[0-9]+")).text.isdigit()
