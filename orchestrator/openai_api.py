@@ -4,12 +4,14 @@ OpenAI's responses and stream chunks. Pure functions; the HTTP server is
 orchestrator/http_gateway.py."""
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import grpc
+from llguidance.gbnf_to_lark import gbnf_to_lark
 from google.protobuf.json_format import MessageToDict
 
 from tandem.logprobs import MAX_TOP_LOGPROBS
@@ -47,7 +49,7 @@ HTTP_STATUS = {
 # exactly the target's distribution after the processing it applies alike on
 # both services (tandem.distributions).
 CHANGES_SAMPLING = ("Tandem samples exactly the target model's distribution, after logit_bias, min_tokens, "
-                    "the penalties, temperature, min_p, top_k and top_p only")
+                    "the penalties, a structured output's grammar, temperature, min_p, top_k and top_p only")
 UNSUPPORTED = {
     "best_of": ((1,), CHANGES_SAMPLING),
     "suffix": (("",), "there is no insertion mode"),
@@ -160,15 +162,80 @@ def _logprobs(body: dict, chat: bool, params: tandem_pb2.GenerationParams) -> No
     params.top_logprobs = top or 0
 
 
+# Structured output as OpenAI (response_format) and vLLM (structured_outputs,
+# and the older guided_*) ask for it: (parameter, its key, the format it is).
+GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+          ("guided_grammar", "lark"))
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
+                   "json_object": "json_object"}
+
+
+def _structured(body: dict, params: tandem_pb2.GenerationParams) -> None:
+    """response_format, structured_outputs or guided_* into
+    params.structured_output (at most one format); the grammar is compiled by
+    the orchestrator, which answers INVALID_ARGUMENT if it does not."""
+    asked: list[tuple[str, str, object]] = []  # (parameter, format, spec)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", "json_object", True))
+        elif kind == "json_schema":
+            schema = fmt.get("json_schema")
+            if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), (dict, bool)):
+                raise invalid("response_format", "'response_format.json_schema' must be an object with a 'schema'")
+            asked.append(("response_format", "json_schema", schema.get("schema", {})))
+        elif kind != "text":
+            raise invalid("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'")
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise invalid("structured_outputs", "'structured_outputs' must be an object")
+        for key, value in outputs.items():
+            if key in STRUCTURED_KEYS and value not in (None, False):
+                asked.append(("structured_outputs", STRUCTURED_KEYS[key], value))
+    for name, kind in GUIDED:
+        if body.get(name) is not None:
+            asked.append((name, kind, body[name]))
+    if body.get("guided_json_object"):
+        asked.append(("guided_json_object", "json_object", True))
+    if not asked:
+        return
+    if len(asked) > 1:
+        raise invalid(asked[1][0], "give one structured output format: " + ", ".join(a[0] for a in asked))
+    name, kind, spec = asked[0]
+    out = params.structured_output
+    if kind == "json_object":
+        out.json_object = True
+    elif kind == "json_schema":
+        if isinstance(spec, str):
+            out.json_schema = spec
+        elif isinstance(spec, (dict, bool)):
+            out.json_schema = json.dumps(spec)
+        else:
+            raise invalid(name, f"'{name}' must be a JSON schema")
+    elif kind == "choice":
+        if not isinstance(spec, list) or not all(isinstance(c, str) for c in spec):
+            raise invalid(name, f"'{name}' must be a list of strings")
+        out.choice.choices.extend(spec)
+    else:
+        if not isinstance(spec, str):
+            raise invalid(name, f"'{name}' must be a string")
+        if kind == "lark" and "::=" in spec:  # GBNF (llama.cpp's, vLLM's examples): into Lark
+            try:
+                spec = gbnf_to_lark(spec)
+            except Exception as err:  # noqa: BLE001 (the converter's words go back to the client)
+                raise invalid(name, f"'{name}' is not a grammar llguidance reads: {err}") from None
+        setattr(out, kind, spec)
+
+
 def _params(body: dict, max_tokens_names: tuple[str, ...], chat: bool) -> tandem_pb2.GenerationParams:
     for name, (no_ops, why) in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in no_ops:
             raise invalid(name, f"'{name}' is not supported: {why}")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise invalid("response_format", "only the response format {\"type\": \"text\"} is supported")
     params = tandem_pb2.GenerationParams()
+    _structured(body, params)
     for name in max_tokens_names:
         if (value := _number(body, name, 1, INT32_MAX, integer=True)) is not None:
             params.max_tokens = value

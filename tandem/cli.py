@@ -146,6 +146,17 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--logprobs", type=_int_in(0, MAX_TOP_LOGPROBS), default=None, metavar="N",
                    help="report each token's log probability under the target model, and those of the N most "
                         f"likely tokens at its position (0..{MAX_TOP_LOGPROBS}; default: none)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                     help="structured output: the completion is JSON that this schema accepts (the schema's JSON "
+                          "text, or @FILE to read it from a file)")
+    fmt.add_argument("--json-object", action="store_true", help="structured output: the completion is a JSON object")
+    fmt.add_argument("--regex", default=None, help="structured output: the completion matches this regular expression")
+    fmt.add_argument("--choice", action="append", default=None,
+                     help="structured output: the completion is one of these strings (repeatable)")
+    fmt.add_argument("--grammar", default=None, metavar="LARK",
+                     help="structured output: the completion follows this Lark grammar (llguidance's dialect; "
+                          "@FILE to read it from a file)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of each request, seconds (default: none; a server that stops answering "
@@ -174,7 +185,30 @@ def _sampling_kwargs(args) -> dict:
         logit_bias=dict(args.logit_bias) if args.logit_bias else None,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+        structured_output=_structured_output(args),
     )
+
+
+def _from_file(value: str) -> str:
+    """A flag's value, or the text of the file that @FILE names."""
+    if value.startswith("@"):
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def _structured_output(args) -> dict | None:
+    if args.json_schema is not None:
+        return {"json_schema": _from_file(args.json_schema)}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": {"choices": args.choice}}
+    if args.grammar is not None:
+        return {"lark": _from_file(args.grammar)}
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

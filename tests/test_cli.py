@@ -59,3 +59,27 @@ def test_sampling_flags_become_the_request_parameters():
     for bad in (["--logit-bias", "5"], ["--logit-bias", "5=101"], ["--min-tokens", "-1"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["generate", "x", *bad])
+
+
+def test_structured_output_flags_become_one_format(tmp_path):
+    from tandem.cli import _sampling_kwargs
+    from tandem.client import params_message
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    for flags, field, value in [
+        (["--json-schema", f"@{schema}"], "json_schema", '{"type": "object"}'),
+        (["--json-schema", '{"type": "integer"}'], "json_schema", '{"type": "integer"}'),
+        (["--json-object"], "json_object", True),
+        (["--regex", "[0-9]+"], "regex", "[0-9]+"),
+        (["--choice", "yes", "--choice", "no"], "choice", ["yes", "no"]),
+        (["--grammar", 'start: "a"'], "lark", 'start: "a"'),
+    ]:
+        message = params_message(**_sampling_kwargs(build_parser().parse_args(["generate", "x", *flags])))
+        fmt = message.structured_output
+        assert fmt.WhichOneof("format") == field
+        assert (list(fmt.choice.choices) if field == "choice" else getattr(fmt, field)) == value
+    assert not params_message(**_sampling_kwargs(build_parser().parse_args(["generate", "x"]))).HasField(
+        "structured_output")
+    with pytest.raises(SystemExit):  # one format at a time
+        build_parser().parse_args(["generate", "x", "--regex", "a", "--choice", "b"])

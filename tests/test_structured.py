@@ -279,3 +279,70 @@ def test_bad_structured_output_requests_get_invalid_argument(cluster, tiny_model
             assert words in caught.value.details(), caught.value.details()
         # The session and the server are unharmed: a good request right after.
         assert client.generate("A: ", max_tokens=8, **structured("regex", "[0-9]+")).text.isdigit()
+
+
+# --- the HTTP API ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def http(cluster):
+    from tests.test_http_api import _gateway
+
+    base, stop = _gateway(cluster, "tandem-tiny")
+    yield base
+    stop()
+
+
+def test_openai_and_vllm_structured_output_parameters_reach_the_models(http, cluster):
+    from tests.test_http_api import client
+
+    api = client(http)
+    kind, spec = FORMATS["json_schema"]
+    with cluster.client() as grpc_client:
+        expected = grpc_client.generate("A: ", max_tokens=40, **structured(kind, spec)).token_ids
+        for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+                     {"structured_outputs": {"json": SCHEMA}}, {"guided_json": json.dumps(SCHEMA)}):
+            answer = api.completions.create(model="tandem-tiny", prompt="A: ", max_tokens=40, temperature=0,
+                                            extra_body={**body, "return_token_ids": True})
+            assert answer.choices[0].token_ids == expected, body
+        choices = ["yes", "no", "maybe"]
+        expected = grpc_client.generate("A: ", max_tokens=8, **structured("choice", choices)).text
+    chat = api.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "A?"}],
+                                       max_tokens=8, temperature=0, extra_body={"guided_choice": choices})
+    assert chat.choices[0].message.content in choices and chat.choices[0].finish_reason == "stop"
+    answer = api.completions.create(model="tandem-tiny", prompt="A: ", max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": choices}})
+    assert answer.choices[0].text == expected
+    # A GBNF grammar (vLLM's and llama.cpp's examples) is read as Lark.
+    gbnf = 'root ::= "(" digit ("," digit)* ")"\ndigit ::= [0-9]'
+    answer = api.completions.create(model="tandem-tiny", prompt="A: ", max_tokens=12, temperature=0,
+                                    extra_body={"guided_grammar": gbnf})
+    assert re.fullmatch(r"\([0-9](,[0-9])*\)?", answer.choices[0].text) or answer.choices[0].finish_reason == "length"
+    streamed = "".join(chunk.choices[0].text for chunk in api.completions.create(
+        model="tandem-tiny", prompt="A: ", max_tokens=8, temperature=0, stream=True,
+        extra_body={"guided_regex": r"[a-z]{3}-[0-9]{2}"}))
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", streamed)
+    json_object = api.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "A?"}],
+                                              max_tokens=48, temperature=0, response_format={"type": "json_object"})
+    text = json_object.choices[0].message.content
+    assert text.startswith("{") and (json_object.choices[0].finish_reason == "length" or
+                                     isinstance(json.loads(text), dict))
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "xml"}}, "response_format", "'response_format.type'"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "with a 'schema'"),
+    ({"guided_regex": "[0-9]+", "guided_choice": ["a"]}, "guided_choice", "give one structured output format"),
+    ({"guided_choice": "yes"}, "guided_choice", "a list of strings"),
+    ({"guided_regex": "a(b"}, None, "unclosed group"),  # the orchestrator's INVALID_ARGUMENT, passed on
+    ({"guided_json": {"type": "nothing"}}, None, "Invalid type"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar", "not a grammar"),
+])
+def test_bad_structured_output_parameters_are_a_400_with_words(http, body, param, words):
+    import openai
+
+    from tests.test_http_api import client
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(http).completions.create(model="tandem-tiny", prompt="A: ", max_tokens=4, extra_body=body)
+    assert caught.value.status_code == 400 and words in caught.value.body["message"], caught.value.body
+    assert caught.value.body["param"] == param
