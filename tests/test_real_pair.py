@@ -1,10 +1,18 @@
 """The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), fp32, over
-real gRPC: greedy Tandem output is token-identical to the target alone."""
+real gRPC: greedy Tandem output is token-identical to the target alone, under
+a JSON schema too."""
 import gc
+import json
 
 import pytest
 
+from tandem.structured import build_grammar
 from tests.conftest import Cluster, reference_greedy
+from tests.test_structured import reference as reference_structured
+
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                                      "arguments": {"type": "integer"}},
+                     "required": ["name", "arguments"], "additionalProperties": False})
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
@@ -27,6 +35,12 @@ def test_real_pair_greedy_identical_to_target_alone(real_pair):
         tokenize=True, add_generation_prompt=True, return_dict=False,
     )
     reference = reference_greedy(target_dir, prompt, NEW_TOKENS)
+    # Structured output, on the real tokenizer's 151,936 tokens: a JSON schema.
+    json_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe a Python function as JSON with its name and argument count."}],
+        tokenize=True, add_generation_prompt=True, return_dict=False,
+    )
+    structured = reference_structured(target_dir, json_prompt, build_grammar("json_schema", SCHEMA), 40)
     gc.collect()
     cluster = Cluster(target_dir, draft_dir, dtype="float32", k=3)
     try:
@@ -44,6 +58,12 @@ def test_real_pair_greedy_identical_to_target_alone(real_pair):
             assert stopped.finish_reason == "stop"
             assert stopped.text == full[: full.index(stop)]
             assert stopped.token_ids == reference[: len(stopped.token_ids)]
+            for pipeline in (False, True):
+                shaped = client.generate(prompt_ids=json_prompt, max_tokens=40, pipeline=pipeline,
+                                         structured_output={"json_schema": SCHEMA})
+                assert shaped.token_ids == structured
+            if shaped.finish_reason == "eos":
+                assert set(json.loads(shaped.text)) == {"name", "arguments"}
     finally:
         cluster.stop()
 

@@ -61,30 +61,34 @@ def models(tiny_models, near_draft, tmp_path_factory):
 
 class Grammar(LogitsProcessor):
     """The reference: a fresh llguidance matcher per step over the tokens
-    generated so far, its end token the model's."""
+    generated so far; any of the model's end tokens once the output is complete."""
 
-    def __init__(self, grammar: str, tokenizer, prompt_len: int):
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=128, eos_token=EOS)
-        self.grammar, self.prompt_len = grammar, prompt_len
+    def __init__(self, grammar: str, tokenizer, prompt_len: int, vocab: int = 128, ends=(EOS,)):
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(ends))
+        self.grammar, self.prompt_len, self.vocab, self.ends = grammar, prompt_len, vocab, list(ends)
 
     def __call__(self, input_ids, scores):
         for row, ids in enumerate(input_ids):
             matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
             assert matcher.consume_tokens(ids[self.prompt_len:].tolist())
             bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-            scores[row, torch.from_numpy(bits[:128] == 0)] = float("-inf")
+            allowed = torch.from_numpy(bits[: self.vocab].astype(bool))
+            allowed[self.ends] = matcher.is_accepting()
+            scores[row, ~allowed] = float("-inf")
         return scores
 
 
-def reference(model_dir: str, prompt: str, grammar: str, n: int) -> list[int]:
+def reference(model_dir: str, prompt: str | list[int], grammar: str, n: int) -> list[int]:
     """Hugging Face generate(do_sample=False) on the target alone under the grammar."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([tokenizer.encode(prompt)])
+    ids = torch.tensor([tokenizer.encode(prompt) if isinstance(prompt, str) else prompt])
+    ends = model.generation_config.eos_token_id
+    ends = [ends] if isinstance(ends, int) else list(ends)
+    processor = Grammar(grammar, tokenizer, ids.shape[1], model.config.vocab_size, ends)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0, eos_token_id=EOS,
-                             logits_processor=LogitsProcessorList([Grammar(grammar, tokenizer, ids.shape[1])]))
+                             pad_token_id=0, eos_token_id=ends, logits_processor=LogitsProcessorList([processor]))
     return out[0, ids.shape[1]:].tolist()
 
 
