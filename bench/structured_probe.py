@@ -1,0 +1,177 @@
+"""What structured output costs: one deployment of the pair, the same chat
+requests sent with and without a format (a JSON schema, a regex, a list of
+choices), greedy, alternating, side by side in one run; and, in this process,
+the grammar masks' own cost on the target's tokenizer (tandem.grammar).
+
+For each request: tokens/s, the draft's acceptance, and whether a constrained
+answer is complete and valid (it parses and has the schema's keys; it matches
+the regex; it is one of the choices). Constrained and free answers are
+different texts, so their tokens/s compare what a user gets, not the same
+tokens.
+
+    python -m bench.structured_probe                # the default pair, 3 reps
+    python -m bench.structured_probe --reps 1 --new-tokens 64
+
+Writes bench/results/structured_probe.json."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import statistics
+import time
+from pathlib import Path
+
+from bench.common import RESULTS, cut, machine, parse_args, write
+from tandem.client import TandemClient
+from tandem.launch import Deployment, Service
+
+log = logging.getLogger("bench.structured_probe")
+
+BOOK = {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "string"},
+                                         "year": {"type": "integer"}},
+        "required": ["title", "author", "year"], "additionalProperties": False}
+FRAMEWORKS = {"type": "object", "properties": {"frameworks": {"type": "array", "items": {"type": "string"},
+                                                              "minItems": 3, "maxItems": 3}},
+              "required": ["frameworks"], "additionalProperties": False}
+TASKS = {
+    "book-json": ("Give me a JSON object describing the novel Moby-Dick: title, author and year.",
+                  "json_schema", BOOK),
+    "frameworks-json": ("Name three Python web frameworks, as a JSON object with a 'frameworks' list.",
+                        "json_schema", FRAMEWORKS),
+    "date-regex": ("On what date did Apollo 11 land on the Moon? Answer as YYYY-MM-DD only.",
+                   "regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+    "typed-choice": ("Is Python statically typed or dynamically typed? Answer in one word.",
+                     "choice", ["statically", "dynamically"]),
+}
+
+
+def _format(kind: str, spec) -> dict:
+    if kind == "json_schema":
+        return {"json_schema": json.dumps(spec)}
+    if kind == "choice":
+        return {"choice": {"choices": spec}}
+    return {kind: spec}
+
+
+def valid(kind: str, spec, text: str) -> bool:
+    if kind == "json_schema":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        return isinstance(value, dict) and set(spec["required"]) <= set(value)
+    if kind == "regex":
+        return re.fullmatch(spec, text) is not None
+    return text in spec
+
+
+def _request(client: TandemClient, prompt: str, new_tokens: int, structured: dict | None) -> dict:
+    start = time.perf_counter()
+    result = client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=new_tokens,
+                             temperature=0.0, structured_output=structured)
+    wall = time.perf_counter() - start
+    stats = result.stats
+    return {"wall_s": wall, "tokens": len(result.token_ids), "text": result.text,
+            "finish_reason": result.finish_reason, "drafted": stats.drafted_tokens,
+            "accepted": stats.accepted_tokens, "rounds": stats.rounds}
+
+
+def run(address: str, new_tokens: int, reps: int) -> dict:
+    runs: dict[str, list[dict]] = {"free": [], "constrained": []}
+    with TandemClient(address, timeout_s=900) as client:
+        for name, (prompt, kind, spec) in TASKS.items():  # warm-up: each grammar compiled once on both services
+            _request(client, prompt, 4, _format(kind, spec))
+        for rep in range(reps):
+            for name, (prompt, kind, spec) in TASKS.items():
+                order = ("free", "constrained") if rep % 2 == 0 else ("constrained", "free")
+                for way in order:
+                    row = _request(client, prompt, new_tokens, _format(kind, spec) if way == "constrained" else None)
+                    row.update(task=name, rep=rep, valid=valid(kind, spec, row["text"].strip()))
+                    runs[way].append(row)
+                    log.info("%s %s: %d tokens in %.2f s, %d/%d accepted, valid %s: %r", name, way, row["tokens"],
+                             row["wall_s"], row["accepted"], row["drafted"], row["valid"], row["text"][:60])
+    summary = {}
+    for way, rows in runs.items():
+        drafted = sum(r["drafted"] for r in rows)
+        summary[way] = {
+            "tok_s": sum(r["tokens"] for r in rows) / sum(r["wall_s"] for r in rows),
+            "acceptance_rate": sum(r["accepted"] for r in rows) / drafted if drafted else None,
+            "tokens_per_round": sum(r["tokens"] for r in rows) / max(1, sum(r["rounds"] for r in rows)),
+            "valid": sum(r["valid"] for r in rows), "complete": sum(r["finish_reason"] == "eos" for r in rows),
+            "requests": len(rows),
+        }
+    return {"modes": summary, "runs": runs,
+            "constrained_vs_free_tok_s": summary["constrained"]["tok_s"] / summary["free"]["tok_s"]}
+
+
+def mask_costs(target: str, reps: int = 20) -> dict:
+    """The masks of one row (a draft step) and of five (a verify of 4), along a
+    valid JSON answer of BOOK, on the target's tokenizer: median ms per call."""
+    from tandem.default_models import resolve_model
+    from tandem.grammar import GrammarMasks
+    from tandem.structured import build_grammar
+    from tandem.tokenizer import load_tokenizer
+    from transformers import AutoConfig
+
+    path = resolve_model(target)
+    tokenizer = load_tokenizer(path)
+    masks = GrammarMasks(tokenizer, AutoConfig.from_pretrained(path).vocab_size)
+    grammar = build_grammar("json_schema", BOOK)
+    start = time.perf_counter()
+    masks.check(grammar)
+    first = time.perf_counter() - start
+    answer = tokenizer.encode(json.dumps({"title": "Moby-Dick; or, The Whale", "author": "Herman Melville",
+                                          "year": 1851}))
+    ends = [tokenizer.eos_token_id]
+    costs = {}
+    for rows in (1, 5):
+        times = []
+        for _ in range(reps):
+            for at in range(0, len(answer) - rows + 1):
+                t = time.perf_counter()
+                masks.mask_rows(grammar, ends, 0, at, rows, answer)
+                times.append((time.perf_counter() - t) * 1e3)
+        costs[f"rows_{rows}_ms_p50"] = statistics.median(times)
+        costs[f"rows_{rows}_ms_p90"] = sorted(times)[int(0.9 * len(times))]
+    return {"first_grammar_s": first, **costs, "answer_tokens": len(answer)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.structured_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
+    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
+    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
+                        help="extra draft service flags (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=96, help="most tokens per request (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=3, help="passes over the tasks (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "structured_probe.json", help="JSON output path")
+    args = parse_args(parser, argv)
+    import torch
+
+    torch.set_num_threads(1)
+    costs = mask_costs(args.target)
+    log.info("masks: %s", costs)
+    deployment = Deployment(Service("target", ["--model", args.target], threads=args.threads),
+                            Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads),
+                            ["--prefix-cache", "0"])
+    with deployment:
+        result = run(deployment.address, args.new_tokens, args.reps)
+    result.update(masks=costs, target=args.target, draft=args.draft, draft_args=args.draft_args,
+                  new_tokens=args.new_tokens, machine=machine())
+    write(args.out, result)
+    print(f"{'mode':<12} {'tok/s':>7} {'alpha':>6} {'tok/round':>9} {'valid':>6} {'eos':>5}")
+    for way, row in result["modes"].items():
+        print(f"{way:<12} {row['tok_s']:7.2f} {row['acceptance_rate'] or 0:6.3f} {row['tokens_per_round']:9.2f} "
+              f"{row['valid']:>3}/{row['requests']} {row['complete']:>2}/{row['requests']}")
+    print(f"constrained over free, tok/s: {cut(result['constrained_vs_free_tok_s']):.2f}x (cut); masks: "
+          f"1 row {costs['rows_1_ms_p50']:.3f} ms, 5 rows {costs['rows_5_ms_p50']:.3f} ms (p50), "
+          f"first grammar {costs['first_grammar_s']:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
