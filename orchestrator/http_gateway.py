@@ -226,7 +226,8 @@ class Gateway:
                         await _send(out, chunk)
                 else:
                     finals[index] = event.final
-                    await _send(out, chunks.final(index, event.final))
+                    for chunk in chunks.final(index, event.final):
+                        await _send(out, chunk)
             if call.include_usage and len(finals) == call.choices:
                 await _send(out, chunks.usage([finals[i] for i in range(call.choices)]))
         except grpc.aio.AioRpcError as err:

@@ -4,6 +4,7 @@ OpenAI's responses and stream chunks. Pure functions; the HTTP server is
 orchestrator/http_gateway.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -11,8 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
-from llguidance.gbnf_to_lark import gbnf_to_lark
 from google.protobuf.json_format import MessageToDict
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.v1 import tandem_pb2
@@ -53,10 +54,8 @@ CHANGES_SAMPLING = ("Tandem samples exactly the target model's distribution, aft
 UNSUPPORTED = {
     "best_of": ((1,), CHANGES_SAMPLING),
     "suffix": (("",), "there is no insertion mode"),
-    "tools": (([],), "there is no tool calling"),
-    "functions": (([],), "there is no tool calling"),
-    "tool_choice": (("none",), "there is no tool calling"),
-    "function_call": (("none",), "there is no tool calling"),
+    "functions": (([],), "use 'tools' (OpenAI's deprecated 'functions' are not served)"),
+    "function_call": (("none",), "use 'tool_choice' (OpenAI's deprecated 'function_call' is not served)"),
 }
 
 
@@ -95,6 +94,8 @@ class Call:
     n: int = 1  # choices a prompt: one Generate call each
     echo: tuple[str | None, ...] = ()  # "echo": each prompt's text as sent (None: token ids, the server decodes)
     prompt_only: bool = False  # "echo" with "max_tokens": 0: the choices hold the prompt alone
+    tool_name: str | None = None  # tool_choice names this function: the answer is its call's arguments
+    tools_required: bool = False  # tool_choice "required": the answer is a list of calls
 
     @property
     def request(self) -> tandem_pb2.GenerateRequest:
@@ -369,12 +370,104 @@ def chat_call(body) -> Call:
         raise invalid("messages", "'messages' must be a non-empty list")
     if _flag(body, "echo"):
         raise invalid("echo", "'echo' is a completion's parameter: a chat completion does not echo")
+    tools, tool_name, required = _tools(body)
+    if tool_name is not None or required:
+        if any(body.get(name) is not None for name in ("response_format", "structured_outputs", *dict(GUIDED))):
+            raise invalid("tool_choice", "a tool_choice that calls a tool constrains the answer itself: "
+                                         "it takes no other structured output format")
     request = tandem_pb2.GenerateRequest(params=_params(body, ("max_tokens", "max_completion_tokens"), chat=True))
+    if tool_name is not None:
+        function = next(t["function"] for t in tools if t["function"]["name"] == tool_name)
+        request.params.structured_output.json_schema = json.dumps(function.get("parameters") or {"type": "object"})
+    elif required:
+        request.params.structured_output.json_schema = json.dumps(_calls_schema(tools))
+    if tools:
+        request.messages.tools_json = json.dumps(tools)
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise invalid(f"messages[{i}]", "each message must be an object with a 'role'")
-        request.messages.messages.add(role=message["role"], content=_content(i, message.get("content")))
-    return _common(body, True, [request])
+        added = request.messages.messages.add(role=message["role"], content=_content(i, message.get("content")))
+        if message.get("tool_calls"):
+            if not isinstance(message["tool_calls"], list):
+                raise invalid(f"messages[{i}].tool_calls", "'tool_calls' must be a list of calls")
+            added.tool_calls_json = json.dumps(message["tool_calls"])
+        for name in ("tool_call_id", "name"):
+            if message.get(name) is not None:
+                if not isinstance(message[name], str):
+                    raise invalid(f"messages[{i}].{name}", f"'{name}' must be a string")
+                setattr(added, name, message[name])
+    call = _common(body, True, [request])
+    return dataclasses.replace(call, tool_name=tool_name, tools_required=required)
+
+
+def _tools(body: dict) -> tuple[list[dict], str | None, bool]:
+    """"tools" and "tool_choice": (the tools, the function a call is forced
+    to, whether one is required). "auto", OpenAI's default where tools are
+    given, needs the model's own tool-call format parsed out of free text,
+    which Tandem does not do: it is refused, as vLLM does without a parser."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice", "'tool_choice' needs 'tools'")
+        return [], None, False
+    if not isinstance(tools, list):
+        raise invalid("tools", "'tools' must be a list of tools")
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise invalid(f"tools[{i}]", "each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise invalid(f"tools[{i}].function.parameters", "'parameters' must be a JSON schema (an object)")
+        names.append(function["name"])
+    if choice is None or choice == "auto":
+        raise invalid("tool_choice", "tool_choice 'auto' (the default with tools) needs the model's tool-call "
+                                     "format parsed from free text, which Tandem does not do: send 'required', "
+                                     "a named function, or 'none'")
+    if choice == "none":
+        return tools, None, False
+    if choice == "required":
+        return tools, None, True
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise invalid("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                                     "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if name not in names:
+        raise invalid("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+    return tools, name, False
+
+
+def _calls_schema(tools: list[dict]) -> dict:
+    """tool_choice "required": a JSON list of at least one call, each a tool's
+    name and its parameters, as vLLM constrains it."""
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                          "parameters": t["function"].get("parameters") or {"type": "object"}},
+         "required": ["name", "parameters"], "additionalProperties": False}
+        for t in tools]}}
+
+
+def tool_calls(call: Call, text: str) -> list[dict] | None:
+    """The answer's text as OpenAI's tool_calls; None where it is not a
+    complete call (cut by max_tokens)."""
+    if call.tool_name is not None:
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [_tool_call(call.tool_name, text)]
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+def _tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def tokenize_request(body) -> tandem_pb2.TokenizeRequest:
@@ -518,7 +611,12 @@ def response(call: Call, model: str, answers: list[Answer]) -> dict:
         choice = {"index": index, "finish_reason": _finish_reason(call, answer.final),
                   "logprobs": _choice_logprobs(call, logprobs)}
         if call.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            calls = tool_calls(call, text) if call.tool_name is not None or call.tools_required else None
+            if calls is None:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = _tools_finish_reason(call, choice["finish_reason"])
         else:
             choice["text"] = text
         if call.return_token_ids:
@@ -535,6 +633,13 @@ def _finish_reason(call: Call, final: tandem_pb2.Completion) -> str:
     return "length" if call.prompt_only else FINISH_REASONS.get(final.finish_reason, "stop")
 
 
+def _tools_finish_reason(call: Call, reason: str) -> str:
+    """A complete answer that calls tools: "tool_calls" where the model chose
+    them ("required"), "stop" where tool_choice named the function, as OpenAI
+    answers a forced call."""
+    return "tool_calls" if call.tools_required and reason == "stop" else reason
+
+
 class Chunks:
     """The chunks of one streamed answer: for each choice (its index), deltas
     as rounds commit them, then one with its finish reason and its stats;
@@ -544,6 +649,8 @@ class Chunks:
         self.call, self.model = call, model
         self.id, self.created = new_id(call.chat), int(time.time())
         self._role_sent: set[int] = set()  # choices whose first chunk went out
+        self._calls: dict[int, str] = {}  # tool_choice "required": each choice's text, sent as calls at its end
+        self._call_ids: dict[int, str] = {}  # a named tool_choice: each choice's call id
         self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
 
     def _chunk(self, choices: list[dict], **more) -> dict:
@@ -561,7 +668,15 @@ class Chunks:
             if index not in self._role_sent:
                 delta["role"] = "assistant"
                 self._role_sent.add(index)
-            if text is not None:
+            if text is not None and self.call.tool_name is not None and finish_reason is None:
+                # A named tool_choice: the text is the call's arguments, streamed as they come.
+                if index not in self._call_ids:
+                    self._call_ids[index] = f"call_{uuid.uuid4().hex[:24]}"
+                    delta["tool_calls"] = [{"index": 0, "id": self._call_ids[index], "type": "function",
+                                            "function": {"name": self.call.tool_name, "arguments": text}}]
+                else:
+                    delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
+            elif text is not None:
                 delta["content"] = text
             choice["delta"] = delta
         else:
@@ -577,14 +692,31 @@ class Chunks:
         if self.call.echo and delta.HasField("prompt"):
             chunks.append(self._chunk([self._choice(index, _echo_text(self.call, index, delta.prompt), [], None,
                                                     _prompt_logprobs(delta.prompt))]))
+        if self.call.chat and self.call.tools_required:  # the calls go out whole, once the list is complete
+            self._calls[index] = self._calls.get(index, "") + delta.text
+            return chunks
         if not self.call.prompt_only:
             chunks.append(self._chunk([self._choice(index, delta.text, list(delta.token_ids), None, delta.logprobs)]))
         return chunks
 
-    def final(self, index: int, final: tandem_pb2.Completion) -> dict:
+    def final(self, index: int, final: tandem_pb2.Completion) -> list[dict]:
+        """The choice's last chunks: with tool_choice "required", its calls (or,
+        cut short, its text), then the one with the finish reason and stats."""
         reason = _finish_reason(self.call, final)
-        return self._chunk([self._choice(index, "" if self.call.chat else None, [], reason)],
-                           tandem=speculation(final))
+        chunks = []
+        if self.call.chat and self.call.tools_required:
+            text = self._calls.pop(index, "")
+            calls = tool_calls(self.call, text)
+            choice = self._choice(index, None if calls is not None else text, None, None)
+            if calls is not None:
+                choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                reason = _tools_finish_reason(self.call, reason)
+            chunks.append(self._chunk([choice]))
+        elif self.call.tool_name is not None and reason == "stop":
+            reason = _tools_finish_reason(self.call, reason)
+        closing = self._choice(index, None if self.call.tool_name is not None else "" if self.call.chat else None,
+                               [], reason)
+        return [*chunks, self._chunk([closing], tandem=speculation(final))]
 
     def usage(self, finals: list[tandem_pb2.Completion]) -> dict:
         """The last chunk, when the request asked (stream_options.include_usage)."""

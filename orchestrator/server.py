@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 
@@ -251,10 +252,19 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             raise ValueError("the model has no chat template: send the prompt as text or token ids")
         if not messages:
             raise ValueError("the conversation has no messages")
-        for i, message in enumerate(messages):
-            if not message.role:
+        rendered = []
+        for i, m in enumerate(messages):
+            if not m.role:
                 raise ValueError(f"message {i} has no role")
-        return [{"role": m.role, "content": m.content} for m in messages]
+            message = {"role": m.role, "content": m.content}
+            if m.tool_calls_json:
+                message["tool_calls"] = _tool_calls(i, m.tool_calls_json)
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name:
+                message["name"] = m.name
+            rendered.append(message)
+        return rendered
 
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
@@ -276,7 +286,10 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                 prompt = self.tokenizer.encode(request.text)
             elif kind == "messages":
                 messages = self._messages(request.messages.messages)
-                prompt = self.template.first_turn(messages)
+                tools = _tools(request.messages.tools_json)
+                if tools and request.keep_session:
+                    raise ValueError("tools are for stateless requests: a session kept for Chat has none")
+                prompt = self.template.first_turn(messages, tools)
             else:
                 prompt = self._check_ids(list(request.token_ids.ids))
             if not prompt:
@@ -389,8 +402,9 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                 return tandem_pb2.TokenizeReply(token_ids=ids, text=self.tokenizer.decode(ids))
             if kind == "messages":
                 messages = self._messages(request.messages.messages)
-                return tandem_pb2.TokenizeReply(token_ids=self.template.first_turn(messages),
-                                                text=self.template.first_turn_text(messages))
+                tools = _tools(request.messages.tools_json)
+                return tandem_pb2.TokenizeReply(token_ids=self.template.first_turn(messages, tools),
+                                                text=self.template.first_turn_text(messages, tools))
             self._need_tokenizer("a text")
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             return tandem_pb2.TokenizeReply(token_ids=self.tokenizer.encode(request.text, add_special_tokens=special),
@@ -521,6 +535,47 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         if self._pairing is not None:
             self._pairing.cancel()
         await asyncio.gather(self.proposer.close(), self.verifier.close(), self.store.close())
+
+
+def _tools(text: str) -> list[dict] | None:
+    """ChatMessages.tools_json, checked: OpenAI's function tools."""
+    if not text:
+        return None
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"tools_json is not valid JSON: {err}") from None
+    if not isinstance(tools, list):
+        raise ValueError("tools_json must be a JSON list of tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(function, dict) or tool.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise ValueError(f"tool {i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    return tools or None
+
+
+def _tool_calls(index: int, text: str) -> list[dict]:
+    """An assistant message's tool_calls_json, for the chat template: each
+    call's arguments as an object where they are a JSON object's text (the
+    templates write them out themselves), as vLLM gives them."""
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"message {index}: tool_calls_json is not valid JSON: {err}") from None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise ValueError(f"message {index}: tool_calls_json must be a JSON list of calls")
+    out = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # the template gets the text as sent
+        out.append({**call, "function": function})
+    return out
 
 
 def build_server(address: str, config: OrchestratorConfig):

@@ -59,14 +59,15 @@ class ChatTemplate:
     def available(self) -> bool:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The template's text; ValueError with the template's words where it
-        refuses the messages (roles out of order, say)."""
+        refuses the messages (roles out of order, say). `tools`: OpenAI's
+        function tools, which the template shows the model."""
         from jinja2 import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except TemplateError as err:
             raise ValueError(f"the model's chat template refused the messages: {err}") from err
@@ -74,12 +75,12 @@ class ChatTemplate:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def first_turn_text(self, messages: list[dict]) -> str:
+    def first_turn_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """A conversation as its first turn's prompt: with the assistant's prompt."""
-        return self._render(messages, add_generation_prompt=True)
+        return self._render(messages, add_generation_prompt=True, tools=tools)
 
-    def first_turn(self, messages: list[dict]) -> list[int]:
-        return self._encode(self.first_turn_text(messages))
+    def first_turn(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self._encode(self.first_turn_text(messages, tools))
 
     def next_turn(self, history: list[dict], user: dict, ended_with: list[int]) -> list[int]:
         """Tokens after the committed ones for a new user turn. `history` ends with

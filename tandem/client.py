@@ -1,6 +1,8 @@
 """Python client of the public Tandem API (synchronous, streaming)."""
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -83,10 +85,15 @@ class TandemClient:
 
     def generate_stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None,
                         keep_session: bool = False, messages: list[dict] | None = None,
-                        **params) -> Iterator[tandem_pb2.GenerateEvent]:
+                        tools: list[dict] | None = None, **params) -> Iterator[tandem_pb2.GenerateEvent]:
         """Streams a completion of the prompt: text, token ids, or a conversation
-        (`messages`, dicts with role and content, rendered by the server's chat template)."""
+        (`messages`, dicts with role and content, and OpenAI's tool_calls,
+        tool_call_id and name where they have them, rendered by the server's
+        chat template; `tools`, OpenAI's function tools, shown to the model by
+        the template)."""
         request = tandem_pb2.GenerateRequest(params=params_message(**params), keep_session=keep_session)
+        if tools:
+            request.messages.tools_json = json.dumps(tools)
         return self._call(self.stub.Generate, _with_input(request, prompt, prompt_ids, messages))
 
     def generate(self, *args, **kwargs) -> Result:
@@ -126,8 +133,11 @@ def _with_input(request, text: str | None, token_ids: list[int] | None, messages
     """The request (a GenerateRequest or a TokenizeRequest: the same oneof)
     with its input set: the messages, else the token ids, else the text."""
     if messages is not None:
-        request.messages.messages.extend(tandem_pb2.ChatMessage(role=m["role"], content=m.get("content", ""))
-                                         for m in messages)
+        for m in messages:
+            message = request.messages.messages.add(role=m["role"], content=m.get("content") or "")
+            if m.get("tool_calls"):
+                message.tool_calls_json = json.dumps(m["tool_calls"])
+            message.tool_call_id, message.name = m.get("tool_call_id", ""), m.get("name", "")
     elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     else:

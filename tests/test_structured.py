@@ -376,3 +376,102 @@ def test_bad_structured_output_parameters_are_a_400_with_words(http, body, param
         client(http).completions.create(model="tandem-tiny", prompt="A: ", max_tokens=4, extra_body=body)
     assert caught.value.status_code == 400 and words in caught.value.body["message"], caught.value.body
     assert caught.value.body["param"] == param
+
+
+# --- tools: a named or required tool_choice is structured output --------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The forecast of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def test_a_named_tool_choice_answers_the_call_the_target_alone_makes_under_its_schema(http, cluster):
+    from tests.test_http_api import client
+
+    api = client(http)
+    with cluster.client() as grpc_client:
+        expected = grpc_client.generate(messages=ASK, max_tokens=60, structured_output={
+            "json_schema": json.dumps(WEATHER["function"]["parameters"])})
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answer = api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=60, temperature=0,
+                                         tools=[WEATHER, CLOCK], tool_choice=named)
+    choice = answer.choices[0]
+    if expected.finish_reason == "eos":
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert call.function.arguments == expected.text and choice.message.content is None
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+        assert choice.finish_reason == "stop"  # as OpenAI answers a forced call
+    else:
+        assert choice.message.content == expected.text and choice.finish_reason == "length"
+    streamed = list(api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=60, temperature=0,
+                                                tools=[WEATHER, CLOCK], tool_choice=named, stream=True))
+    deltas = [c.choices[0].delta.tool_calls for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0][0].id and deltas[0][0].function.name == "get_weather"
+    assert "".join(d[0].function.arguments for d in deltas) == expected.text
+    assert streamed[-1].choices[0].finish_reason == ("stop" if expected.finish_reason == "eos" else "length")
+
+
+def test_a_required_tool_choice_answers_a_list_of_calls(http, cluster):
+    from tandem.structured import build_grammar  # noqa: F401 (the schema below must compile)
+    from tests.test_http_api import client
+
+    from orchestrator.openai_api import _calls_schema
+
+    api = client(http)
+    with cluster.client() as grpc_client:
+        expected = grpc_client.generate(messages=ASK, max_tokens=120, structured_output={
+            "json_schema": json.dumps(_calls_schema([WEATHER, CLOCK]))})
+    for stream in (False, True):
+        reply = api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=120, temperature=0,
+                                            tools=[WEATHER, CLOCK], tool_choice="required", stream=stream)
+        if stream:
+            chunks = list(reply)
+            calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                     for tc in c.choices[0].delta.tool_calls]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            calls, content = reply.choices[0].message.tool_calls or [], reply.choices[0].message.content
+            finish = reply.choices[0].finish_reason
+        if expected.finish_reason == "eos":
+            wanted = json.loads(expected.text)
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+                (w["name"], w["parameters"]) for w in wanted]
+            assert finish == "tool_calls" and not content
+        else:  # cut by max_tokens: the text as it came
+            assert not calls and content == expected.text and finish == "length"
+
+
+def test_tool_messages_reach_the_template_and_bad_tool_requests_get_a_400(http):
+    import openai
+
+    from tests.test_http_api import client
+
+    api = client(http)
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Oslo", "days": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    answer = api.chat.completions.create(model="tandem-tiny", messages=history, max_tokens=4, temperature=0,
+                                         tools=[WEATHER], tool_choice="none")
+    assert answer.choices[0].message.tool_calls is None and answer.usage.completion_tokens > 0
+    for kwargs, param, words in [
+        (dict(tools=[WEATHER]), "tool_choice", "tool_choice 'auto'"),
+        (dict(tools=[WEATHER], tool_choice="auto"), "tool_choice", "tool_choice 'auto'"),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+         "not among the tools"),
+        (dict(tool_choice="required"), "tool_choice", "needs 'tools'"),
+        (dict(tools=[{"type": "function"}], tool_choice="required"), "tools[0]", "each tool must be"),
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
+         "no other structured output"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=4, **kwargs)
+        assert caught.value.body["param"] == param and words in caught.value.body["message"], caught.value.body
