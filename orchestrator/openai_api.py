@@ -459,10 +459,9 @@ def tool_calls(call: Call, text: str) -> list[dict] | None:
             return None
         return [_tool_call(call.tool_name, text)]
     try:
-        calls = json.loads(text)
-    except json.JSONDecodeError:
+        return [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    except (json.JSONDecodeError, KeyError, TypeError):  # a list cut short (by a stop string, say)
         return None
-    return [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
 
 
 def _tool_call(name: str, arguments: str) -> dict:
