@@ -35,8 +35,9 @@ class Gateway:
     `served_model_name` is the model id that /v1/models lists and requests may
     name; empty = the target model's id, as the orchestrator reports it."""
 
-    def __init__(self, grpc_address: str, served_model_name: str = ""):
+    def __init__(self, grpc_address: str, served_model_name: str = "", tool_call_parser: str | None = None):
         self.channel = serving.insecure_channel(grpc_address)
+        self.tool_call_parser = tool_call_parser or None  # tool_choice "auto" (orchestrator.tool_parsers)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self._model = served_model_name
         self._info: tandem_pb2.ServerInfo | None = None  # the target's facts, fixed while the orchestrator runs
@@ -106,7 +107,7 @@ class Gateway:
         return await self._answer(request, completion_call(await self._body(request)))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, chat_call(await self._body(request)))
+        return await self._answer(request, chat_call(await self._body(request), self.tool_call_parser))
 
     async def models(self, request: web.Request) -> web.Response:
         name = await self.model_name()

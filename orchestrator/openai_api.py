@@ -15,6 +15,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from orchestrator import tool_parsers
 from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.v1 import tandem_pb2
 
@@ -96,6 +97,7 @@ class Call:
     prompt_only: bool = False  # "echo" with "max_tokens": 0: the choices hold the prompt alone
     tool_name: str | None = None  # tool_choice names this function: the answer is its call's arguments
     tools_required: bool = False  # tool_choice "required": the answer is a list of calls
+    tool_parser: str | None = None  # tool_choice "auto": the calls are parsed out of the text (tool_parsers)
 
     @property
     def request(self) -> tandem_pb2.GenerateRequest:
@@ -360,9 +362,10 @@ def _content(i: int, content) -> str:
     raise invalid(f"messages[{i}].content", "a message's 'content' must be a string or a list of text parts")
 
 
-def chat_call(body) -> Call:
+def chat_call(body, tool_parser: str | None = None) -> Call:
     """POST /v1/chat/completions: the whole conversation, rendered by the
-    orchestrator with the model's chat template."""
+    orchestrator with the model's chat template. tool_parser: the server's
+    --tool-call-parser, which tool_choice "auto" needs."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     messages = body.get("messages")
@@ -370,7 +373,7 @@ def chat_call(body) -> Call:
         raise invalid("messages", "'messages' must be a non-empty list")
     if _flag(body, "echo"):
         raise invalid("echo", "'echo' is a completion's parameter: a chat completion does not echo")
-    tools, tool_name, required = _tools(body)
+    tools, tool_name, required = _tools(body, tool_parser)
     if tool_name is not None or required:
         if any(body.get(name) is not None for name in ("response_format", "structured_outputs", *dict(GUIDED))):
             raise invalid("tool_choice", "a tool_choice that calls a tool constrains the answer itself: "
@@ -397,14 +400,16 @@ def chat_call(body) -> Call:
                     raise invalid(f"messages[{i}].{name}", f"'{name}' must be a string")
                 setattr(added, name, message[name])
     call = _common(body, True, [request])
-    return dataclasses.replace(call, tool_name=tool_name, tools_required=required)
+    auto = bool(tools) and tool_name is None and not required and body.get("tool_choice") in (None, "auto")
+    return dataclasses.replace(call, tool_name=tool_name, tools_required=required,
+                               tool_parser=tool_parser if auto else None)
 
 
-def _tools(body: dict) -> tuple[list[dict], str | None, bool]:
+def _tools(body: dict, tool_parser: str | None = None) -> tuple[list[dict], str | None, bool]:
     """"tools" and "tool_choice": (the tools, the function a call is forced
     to, whether one is required). "auto", OpenAI's default where tools are
-    given, needs the model's own tool-call format parsed out of free text,
-    which Tandem does not do: it is refused, as vLLM does without a parser."""
+    given, needs the model's own tool-call format parsed out of free text
+    (--tool-call-parser): without a parser it is refused, as vLLM does."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or tools == []:
@@ -422,10 +427,12 @@ def _tools(body: dict) -> tuple[list[dict], str | None, bool]:
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise invalid(f"tools[{i}].function.parameters", "'parameters' must be a JSON schema (an object)")
         names.append(function["name"])
-    if choice is None or choice == "auto":
+    if (choice is None or choice == "auto") and tool_parser is None:
         raise invalid("tool_choice", "tool_choice 'auto' (the default with tools) needs the model's tool-call "
-                                     "format parsed from free text, which Tandem does not do: send 'required', "
-                                     "a named function, or 'none'")
+                                     "format parsed from free text: start the server with --tool-call-parser, "
+                                     "or send 'required', a named function, or 'none'")
+    if choice is None or choice == "auto":
+        return tools, None, False
     if choice == "none":
         return tools, None, False
     if choice == "required":
@@ -610,11 +617,15 @@ def response(call: Call, model: str, answers: list[Answer]) -> dict:
         choice = {"index": index, "finish_reason": _finish_reason(call, answer.final),
                   "logprobs": _choice_logprobs(call, logprobs)}
         if call.chat:
-            calls = tool_calls(call, text) if call.tool_name is not None or call.tools_required else None
-            if calls is None:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            content, calls = text, None
+            if call.tool_name is not None or call.tools_required:
+                calls = tool_calls(call, text)
+                content = None if calls is not None else text
+            elif call.tool_parser is not None:
+                content, calls = tool_parsers.parse(text)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls is not None:
+                choice["message"]["tool_calls"] = calls
                 choice["finish_reason"] = _tools_finish_reason(call, choice["finish_reason"])
         else:
             choice["text"] = text
@@ -634,9 +645,9 @@ def _finish_reason(call: Call, final: tandem_pb2.Completion) -> str:
 
 def _tools_finish_reason(call: Call, reason: str) -> str:
     """A complete answer that calls tools: "tool_calls" where the model chose
-    them ("required"), "stop" where tool_choice named the function, as OpenAI
-    answers a forced call."""
-    return "tool_calls" if call.tools_required and reason == "stop" else reason
+    them ("required", "auto"), "stop" where tool_choice named the function, as
+    OpenAI answers a forced call."""
+    return "tool_calls" if (call.tools_required or call.tool_parser) and reason == "stop" else reason
 
 
 class Chunks:
@@ -650,6 +661,8 @@ class Chunks:
         self._role_sent: set[int] = set()  # choices whose first chunk went out
         self._calls: dict[int, str] = {}  # tool_choice "required": each choice's text, sent as calls at its end
         self._call_ids: dict[int, str] = {}  # a named tool_choice: each choice's call id
+        self._said: dict[int, str] = {}  # tool_choice "auto": each choice's text so far
+        self._sent: dict[int, int] = {}  # and how much of it went out as content
         self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
 
     def _chunk(self, choices: list[dict], **more) -> dict:
@@ -694,6 +707,14 @@ class Chunks:
         if self.call.chat and self.call.tools_required:  # the calls go out whole, once the list is complete
             self._calls[index] = self._calls.get(index, "") + delta.text
             return chunks
+        if self.call.chat and self.call.tool_parser is not None:  # content up to a call's opening tag
+            said = self._said[index] = self._said.get(index, "") + delta.text
+            sent, ready = self._sent.get(index, 0), tool_parsers.sendable(said)
+            if ready > sent:
+                self._sent[index] = ready
+                chunks.append(self._chunk([self._choice(index, said[sent:ready], list(delta.token_ids), None,
+                                                        delta.logprobs)]))
+            return chunks
         if not self.call.prompt_only:
             chunks.append(self._chunk([self._choice(index, delta.text, list(delta.token_ids), None, delta.logprobs)]))
         return chunks
@@ -713,6 +734,16 @@ class Chunks:
             chunks.append(self._chunk([choice]))
         elif self.call.tool_name is not None and reason == "stop":
             reason = _tools_finish_reason(self.call, reason)
+        elif self.call.chat and self.call.tool_parser is not None:
+            said, sent = self._said.pop(index, ""), self._sent.pop(index, 0)
+            _, calls = tool_parsers.parse(said)
+            if calls is not None:
+                choice = self._choice(index, None, None, None)
+                choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                chunks.append(self._chunk([choice]))
+                reason = _tools_finish_reason(self.call, reason)
+            elif len(said) > sent:  # what was held back: a tag that never became a call
+                chunks.append(self._chunk([self._choice(index, said[sent:], None, None)]))
         closing = self._choice(index, None if self.call.tool_name is not None else "" if self.call.chat else None,
                                [], reason)
         return [*chunks, self._chunk([closing], tandem=speculation(final))]

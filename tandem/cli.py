@@ -271,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "/v1/models, /health) on this port of --host; 0 picks one (default: off)")
     orch.add_argument("--served-model-name", default="",
                       help="the model id the HTTP API lists and requests name (default: the target model's id)")
+    orch.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                      help="the HTTP API's tool_choice 'auto' (OpenAI's default with tools): parse the model's tool "
+                           "calls out of its answers in this format (hermes: Qwen2.5's and Hermes' <tool_call> "
+                           "blocks) (default: none, and 'auto' is refused)")
     orch.add_argument("--draft", default=DEFAULT_DRAFT, help="draft service address (default: %(default)s)")
     orch.add_argument("--target", default=DEFAULT_TARGET, help="target service address (default: %(default)s)")
     orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
@@ -472,7 +476,7 @@ async def _start_http(args, grpc_port: int):
     from orchestrator.http_gateway import Gateway, start
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    gateway = Gateway(f"{host}:{grpc_port}", args.served_model_name)
+    gateway = Gateway(f"{host}:{grpc_port}", args.served_model_name, args.tool_call_parser)
     try:
         runner, port = await start(gateway, args.host, args.http_port)
     except OSError as err:

@@ -4,7 +4,7 @@ grammar (tandem/structured.py builds it; SamplingParams.grammar carries it).
 The mask of a position is a function of the tokens before it alone, from the
 request's grammar_start on: what llguidance allows after them, with the
 grammar's own end token replaced by the request's grammar_end_ids once the
-completion is complete. Draft and target compute it alike from the same
+completion is complete (or where no token of the vocabulary can go on). Draft and target compute it alike from the same
 tokens, so the target verifies against the distribution that the target alone
 samples under the same grammar (DESIGN §2, invariant 4), and the drafted
 tokens are ones the grammar allows.
@@ -207,7 +207,9 @@ class GrammarMasks:
                 bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
                                      count=self.vocab_size, bitorder="little")
                 bits[self._own_end] = 0
-                if ends and matcher.is_accepting():
+                if ends and (matcher.is_accepting() or not bits.any()):
+                    # Complete; or no token of this vocabulary goes on (a grammar that
+                    # asks for text the tokenizer cannot write): the end, not free text.
                     bits[ends] = 1
                 if not bits.any():
                     break

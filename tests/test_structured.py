@@ -143,6 +143,10 @@ def test_masks_are_a_function_of_the_tokens_whatever_the_matchers_did_before(mod
     done = prompt + [ord(c) for c in "ab12"] + [EOS, ord("a")]
     rows = masks.mask_rows(grammar, (EOS,), len(prompt), len(done) - 2, 2, done)
     assert np.flatnonzero(rows[0]).tolist() == [EOS] and rows[1] is None
+    # Where no token of the (here narrower) vocabulary goes on, the end is all that is left.
+    narrow = GrammarMasks(tokenizer, 100)  # "d" is 100: out of it
+    rows = narrow.mask_rows(build_grammar("regex", "ad"), (EOS,), 0, 0, 2, [ord("a")])
+    assert np.flatnonzero(rows[0]).tolist() == [ord("a")] and np.flatnonzero(rows[1]).tolist() == [EOS]
 
 
 def test_the_common_prefix_by_slices_is_the_first_difference():
@@ -475,3 +479,68 @@ def test_tool_messages_reach_the_template_and_bad_tool_requests_get_a_400(http):
         with pytest.raises(openai.BadRequestError) as caught:
             api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=4, **kwargs)
         assert caught.value.body["param"] == param and words in caught.value.body["message"], caught.value.body
+
+
+def test_the_hermes_parser_takes_calls_out_of_the_text_and_holds_back_a_tag_in_the_making():
+    from orchestrator.tool_parsers import parse, sendable
+
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    content, calls = parse(text)
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "CET"})]
+    assert parse("no calls here") == ("no calls here", None)
+    assert parse('<tool_call>\n{"name": "get_weather"')[1] is None  # cut short: the text as it came
+    assert parse('<tool_call>{"name": 5}</tool_call>')[1] is None
+    assert [sendable(t) for t in ("abc", "abc<", "abc<tool_", "abc<tool_call>{", "a<b")] == [3, 3, 3, 3, 3]
+
+
+@pytest.fixture(scope="module")
+def http_tools(cluster):
+    from orchestrator.http_gateway import Gateway, start
+
+    async def serve():
+        gateway = Gateway(cluster.address, "tandem-tiny", tool_call_parser="hermes")
+        return (gateway, *await start(gateway, "127.0.0.1", 0))
+
+    gateway, runner, port = cluster.run(serve())
+    yield f"http://127.0.0.1:{port}"
+    cluster.run(runner.cleanup())
+    cluster.run(gateway.close())
+
+
+def test_tool_choice_auto_parses_the_calls_the_model_writes(http_tools):
+    """The tiny model is made to write a call in Qwen's format (a regex on its
+    answer): the server's hermes parser turns it into tool_calls."""
+    from tests.test_http_api import client
+
+    api = client(http_tools)
+    # (The character tokenizer, as llguidance reads it, writes no whitespace: the call is compact.)
+    written = (r'Sure\.<tool_call>\{"name":"get_weather","arguments":\{"city":"(Oslo|Paris)",'
+               r'"days":[1-9]\}\}</tool_call>')
+    answer = api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=120, temperature=0,
+                                         tools=[WEATHER, CLOCK], extra_body={"guided_regex": written})
+    choice = answer.choices[0]
+    assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] in ("Oslo", "Paris")
+    chunks = list(api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=120, temperature=0,
+                                              tools=[WEATHER, CLOCK], tool_choice="auto", stream=True,
+                                              extra_body={"guided_regex": written}))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert content.strip() == "Sure." and "<" not in content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # An answer without a call, or with a tag that never becomes one, is text to the end.
+    for regex, text in ((r"Hello", "Hello"), (r"abc<tool_", "abc<tool_")):
+        plain = api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=20, temperature=0,
+                                            tools=[WEATHER], extra_body={"guided_regex": regex})
+        assert plain.choices[0].message.content == text and plain.choices[0].message.tool_calls is None
+        streamed = list(api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=20,
+                                                    temperature=0, tools=[WEATHER], stream=True,
+                                                    extra_body={"guided_regex": regex}))
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+        assert streamed[-1].choices[0].finish_reason == "stop"
