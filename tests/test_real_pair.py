@@ -40,7 +40,7 @@ def test_real_pair_greedy_identical_to_target_alone(real_pair):
         [{"role": "user", "content": "Describe a Python function as JSON with its name and argument count."}],
         tokenize=True, add_generation_prompt=True, return_dict=False,
     )
-    structured = reference_structured(target_dir, json_prompt, build_grammar("json_schema", SCHEMA), 40)
+    structured = reference_structured(target_dir, json_prompt, build_grammar("json_schema", SCHEMA), 32)
     gc.collect()
     cluster = Cluster(target_dir, draft_dir, dtype="float32", k=3)
     try:
@@ -58,10 +58,8 @@ def test_real_pair_greedy_identical_to_target_alone(real_pair):
             assert stopped.finish_reason == "stop"
             assert stopped.text == full[: full.index(stop)]
             assert stopped.token_ids == reference[: len(stopped.token_ids)]
-            for pipeline in (False, True):
-                shaped = client.generate(prompt_ids=json_prompt, max_tokens=40, pipeline=pipeline,
-                                         structured_output={"json_schema": SCHEMA})
-                assert shaped.token_ids == structured
+            shaped = client.generate(prompt_ids=json_prompt, max_tokens=32, structured_output={"json_schema": SCHEMA})
+            assert shaped.token_ids == structured  # pipelined (the tiny models' tests run both ways)
             if shaped.finish_reason == "eos":
                 assert set(json.loads(shaped.text)) == {"name", "arguments"}
     finally:
