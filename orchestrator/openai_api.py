@@ -477,12 +477,16 @@ def _tool_call(name: str, arguments: str) -> dict:
 
 
 def tokenize_request(body) -> tandem_pb2.TokenizeRequest:
-    """vLLM's /tokenize body: "prompt" (text) or "messages", and "add_special_tokens"."""
+    """vLLM's /tokenize body: "prompt" (text) or "messages" (with "tools", which
+    the chat template shows the model), and "add_special_tokens"."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     request = tandem_pb2.TokenizeRequest()
     if body.get("messages") is not None:
-        request.messages.CopyFrom(chat_call({"messages": body["messages"]}).request.messages)
+        chat = {"messages": body["messages"]}
+        if body.get("tools"):
+            chat.update(tools=body["tools"], tool_choice="none")
+        request.messages.CopyFrom(chat_call(chat).request.messages)
     elif isinstance(body.get("prompt"), str):
         request.text = body["prompt"]
         if body.get("add_special_tokens") is not None:

@@ -43,6 +43,12 @@ def _with_tokenizer(source: str, dest) -> str:
     config = json.loads(path.read_text())
     config["eos_token"] = chr(EOS)
     path.write_text(json.dumps(config))
+    # The character models' template, showing the tools by name, and a call's city.
+    (dest / "chat_template.jinja").write_text(
+        "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
+        "{% for c in m.get('tool_calls') or [] %}[{{ c.function.name }} {{ c.function.arguments.city }}]"
+        "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     for name in ("config.json", "generation_config.json"):
         path = dest / name
         config = json.loads(path.read_text())
@@ -400,7 +406,7 @@ def test_a_named_tool_choice_answers_the_call_the_target_alone_makes_under_its_s
 
     api = client(http)
     with cluster.client() as grpc_client:
-        expected = grpc_client.generate(messages=ASK, max_tokens=60, structured_output={
+        expected = grpc_client.generate(messages=ASK, tools=[WEATHER, CLOCK], max_tokens=60, structured_output={
             "json_schema": json.dumps(WEATHER["function"]["parameters"])})
     named = {"type": "function", "function": {"name": "get_weather"}}
     answer = api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=60, temperature=0,
@@ -430,7 +436,7 @@ def test_a_required_tool_choice_answers_a_list_of_calls(http, cluster):
 
     api = client(http)
     with cluster.client() as grpc_client:
-        expected = grpc_client.generate(messages=ASK, max_tokens=120, structured_output={
+        expected = grpc_client.generate(messages=ASK, tools=[WEATHER, CLOCK], max_tokens=120, structured_output={
             "json_schema": json.dumps(_calls_schema([WEATHER, CLOCK]))})
     for stream in (False, True):
         reply = api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=120, temperature=0,
@@ -544,3 +550,45 @@ def test_tool_choice_auto_parses_the_calls_the_model_writes(http_tools):
                                                     extra_body={"guided_regex": regex}))
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
         assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_chat_sessions_later_turn_keeps_to_its_own_format(cluster):
+    """A format applies from the turn's first generated token: the history
+    before it (the earlier turns, free text) is not held to it."""
+    with cluster.client() as client:
+        session = client.create_session()
+        try:
+            first = client.chat(session, "Hi", max_tokens=12)
+            assert first.token_ids
+            second = client.chat(session, "A date?", max_tokens=12, **structured("regex", r"[0-9]{4}-[0-9]{2}"))
+            assert re.fullmatch(r"[0-9]{4}-[0-9]{2}", second.text) and second.finish_reason == "eos"
+            third = client.chat(session, "Yes or no?", max_tokens=8, **structured("choice", ["yes", "no"]))
+            assert third.text in ("yes", "no") and third.finish_reason == "eos"
+        finally:
+            client.delete_session(session)
+
+
+def test_tokenize_renders_tools_and_calls_as_a_chat_completion_does(http):
+    import urllib.request
+
+    def tokenize(body: dict) -> dict:
+        request = urllib.request.Request(f"{http}/tokenize", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return json.load(reply)
+
+    def text(body: dict) -> str:
+        return "".join(chr(t) for t in tokenize(body)["tokens"])
+
+    def rendered(words: str) -> str:  # the character tokenizer, as transformers loads it, drops whitespace
+        return "".join(words.split())
+
+    assert text({"messages": ASK}) == rendered("user: Weather in Oslo?\nassistant: ")
+    assert text({"messages": ASK, "tools": [WEATHER, CLOCK]}) == \
+        rendered("tools: get_weather,get_time\nuser: Weather in Oslo?\nassistant: ")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    # A call's arguments reach the template as an object (its city read from it).
+    assert text({"messages": history}) == \
+        rendered("user: Weather in Oslo?\nassistant: [get_weather Oslo]\ntool: rain\nassistant: ")
