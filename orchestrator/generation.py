@@ -166,9 +166,9 @@ class Generation:
         prompt's tokens before `turn`, already the session's (prefix reuse)."""
         started = time.perf_counter()
         echoed = list(record.tokens) + turn if params.echo or params.prompt_logprobs is not None else None
+        await self.store.append_tokens(record, turn)  # the turn is committed first
         eos = self._end_ids(params)
         ends = eos | params.stop_token_ids  # the tokens that end the request
-        await self.store.append_tokens(record, turn)  # the turn is committed first
         sampling = params.sampling
         if sampling.penalizes:  # over the completion: from the first generated token's position on
             sampling = dataclasses.replace(sampling, penalty_start=len(record.tokens))

@@ -227,9 +227,9 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             raise ValueError("structured_output names no format: one of " + ", ".join(FORMATS))
         if kind == "json_object" and not msg.json_object:
             raise ValueError("structured_output.json_object must be true")
-        spec = {"choice": lambda: list(msg.choice.choices), "json_object": lambda: None}.get(
-            kind, lambda: getattr(msg, kind))()
-        return build_grammar(kind, spec)
+        if kind == "choice":
+            return build_grammar(kind, list(msg.choice.choices))
+        return build_grammar(kind, None if kind == "json_object" else getattr(msg, kind))
 
     def _logit_bias(self, bias) -> tuple[tuple[int, float], ...]:
         if len(bias) > MAX_LOGIT_BIASES:
