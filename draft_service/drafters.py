@@ -219,19 +219,16 @@ class ModelDrafter:
                 if ranks:  # greedy: the token and its runner-up in one pass over the logits
                     ranked = adjust_logits(logits[None], call.sampling, len(cache), cache.tokens)[0]
                     token, runner_up = ranked.topk(2).indices.tolist()
-                    if call.sampling.grammar and ranked[token] == float("-inf"):  # as in draw
-                        if i:
-                            cache.crop(len(cache) - 1)
-                        break
-                    prob = dist = None
-                    runners_up.append(runner_up)
+                    drawn = None if call.sampling.grammar and ranked[token] == float("-inf") else (token, None, None)
                 else:
                     drawn = draw(logits, call, position=len(cache), first=i == 0, tokens=cache.tokens)
-                    if drawn is None:  # the grammar allows none of the tokens this draft scores
-                        if i:
-                            cache.crop(len(cache) - 1)  # the history holds the drafted tokens but the last
-                        break
-                    token, prob, dist = drawn
+                if drawn is None:  # the grammar allows none of the tokens this draft scores
+                    if i:
+                        cache.crop(len(cache) - 1)  # the history holds the drafted tokens but the last
+                    break
+                token, prob, dist = drawn
+                if ranks:
+                    runners_up.append(runner_up)
                 steps_ms.append((time.perf_counter() - step_start) * 1e3)
                 tokens.append(token)
                 if prob is not None:

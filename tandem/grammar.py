@@ -98,16 +98,10 @@ class GrammarMasks:
         self._tokenizer_lock = threading.Lock()  # its build, which takes seconds
         self._own_end = -1
 
-    @property
-    def available(self) -> bool:
-        return self._hf_tokenizer is not None
-
     def _lltokenizer(self):
         with self._tokenizer_lock:
-            return self._build_tokenizer()
-
-    def _build_tokenizer(self):
-        if self._tokenizer is None:
+            if self._tokenizer is not None:
+                return self._tokenizer
             if self._hf_tokenizer is None:
                 raise GrammarUnavailable("structured output needs the model's tokenizer, and this service has none")
             import llguidance.hf
@@ -124,20 +118,23 @@ class GrammarMasks:
                 self._tokenizer = llguidance.LLTokenizer(
                     llguidance.TokenizerWrapper(_TokenBytes(hf, n_vocab, own_end)), n_vocab=n_vocab, eos_token=own_end)
             self._own_end = own_end
-        return self._tokenizer
+            return self._tokenizer
+
+    def _compile(self, grammar: str) -> _Grammar:
+        template = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"invalid grammar: {template.get_error()}")
+        return _Grammar(template)
 
     def check(self, grammar: str) -> None:
         """Compiles `grammar` (kept for the request's calls); ValueError if this
         service's tokenizer cannot take it, GrammarUnavailable without one."""
         if self.compiled(grammar):
             return
-        tokenizer = self._lltokenizer()  # outside the lock: other grammars' masks go on meanwhile
-        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if template.is_error():
-            raise ValueError(f"invalid grammar: {template.get_error()}")
+        compiled = self._compile(grammar)  # outside the lock: other grammars' masks go on meanwhile
         with self._lock:
             if grammar not in self._grammars:
-                self._keep(grammar, _Grammar(template))
+                self._keep(grammar, compiled)
 
     def compiled(self, grammar: str) -> bool:
         return grammar in self._grammars
@@ -147,10 +144,7 @@ class GrammarMasks:
         if found is not None:
             self._grammars.move_to_end(grammar)
             return found
-        template = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
-        if template.is_error():
-            raise ValueError(f"invalid grammar: {template.get_error()}")
-        return self._keep(grammar, _Grammar(template))
+        return self._keep(grammar, self._compile(grammar))  # dropped since its check (MAX_GRAMMARS)
 
     def _keep(self, grammar: str, compiled: _Grammar) -> _Grammar:
         self._grammars[grammar] = compiled
