@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 PROTOS := $(wildcard protos/tandem/v1/*.proto)
 STUBS := tandem/v1/__init__.py
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); tests of one file share a process. 0: one process.
+TEST_WORKERS ?= 2
+PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
 BENCH_ARGS ?=
 NODES_ARGS ?=
 DEMO_ARGS ?=
@@ -43,10 +46,10 @@ demo: models redis  ## Set up everything and run the demo on the default pair
 	$(PY) -m tandem.demo $(DEMO_ARGS)
 
 test: models redis  ## Set up and run the whole test suite (includes the slow real-pair test)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_PAR) $(PYTEST_ARGS)
 
 test-fast: setup redis  ## Tests without the real model pair
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 
 bench: models redis  ## Both benchmarks: bench/results/latest.json, then bench-nodes
 	$(PY) -m bench.bench $(BENCH_ARGS)
