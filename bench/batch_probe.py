@@ -1,20 +1,23 @@
-"""What the target's --batch-verifies gives under concurrent requests: two
+"""What batching across sessions gives under concurrent requests: three
 deployments of the same pair, one whose target batches the verifies that
-queue (--batch-verifies N) and one whose target does not, each sent the same
-greedy requests by C concurrent clients, for each C; side by side in one run,
-alternating which goes first.
+queue (--batch-verifies N) and whose draft batches the greedy blocks that
+queue (--batch-drafts M), one whose target alone batches, and one that does
+not batch, each sent the same greedy requests by C concurrent clients, for
+each C; side by side in one run, the order of the sides rotating.
 
 For each side and C it records the tokens per second of all streams together
-(tokens over the wall time of the round of requests), the target's batched
-forwards, and whether every reply equals the other side's.
+(tokens over the wall time of the round of requests), the services' batches
+and the calls they held, and whether every reply equals the unbatched side's.
 
     python -m bench.batch_probe                        # the default pair, C = 1, 2, 4, 64 tokens
     python -m bench.batch_probe --clients 1,2,3,4 --reps 3
+    python -m bench.batch_probe --batch-drafts 1       # two sides: the target's batching alone
 
 Writes bench/results/batch_probe.json."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import threading
@@ -27,10 +30,10 @@ from bench.common import PROMPTS, RESULTS, cut, machine, parse_args, write
 from tandem.client import TandemClient
 from tandem.launch import Deployment, Service
 from tandem.redis_local import ensure_redis
-from tandem.v1 import common_pb2, target_pb2_grpc
+from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger("bench.batch_probe")
-SIDES = ("batched", "unbatched")
+UNBATCHED = "unbatched"
 
 
 def _round(address: str, prompts: list[str], clients: int, new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -58,49 +61,65 @@ def _round(address: str, prompts: list[str], clients: int, new_tokens: int) -> t
     return time.perf_counter() - start, replies
 
 
-def _target_counts(address: str) -> tuple[int, int]:
-    with grpc.insecure_channel(address) as channel:
-        stats = target_pb2_grpc.TargetServiceStub(channel).GetStats(common_pb2.GetStatsRequest())
-    return stats.verify_batches, stats.batched_verifies
+COUNTS = ("verify_batches", "batched_verifies", "draft_batches", "batched_drafts")
+
+
+def _counts(deployment: Deployment) -> dict[str, int]:
+    """The batches and the calls they held, of the deployment's target and draft."""
+    counts = {}
+    for service, stub in ((deployment.target, target_pb2_grpc.TargetServiceStub),
+                          (deployment.draft, draft_pb2_grpc.DraftServiceStub)):
+        with grpc.insecure_channel(service.address) as channel:
+            stats = stub(channel).GetStats(common_pb2.GetStatsRequest())
+        counts.update({key: getattr(stats, key) for key in COUNTS if getattr(stats, key)})
+    return {key: counts.get(key, 0) for key in COUNTS}
+
+
+def _per_batch(runs: list[dict], calls: str, batches: str) -> float:
+    done = sum(r[batches] for r in runs)
+    return sum(r[calls] for r in runs) / done if done else 0.0
 
 
 def run(deployments: dict, prompts: list[str], clients: list[int], new_tokens: int, reps: int) -> dict:
-    rows = {side: {c: [] for c in clients} for side in SIDES}
+    """deployments: by side, the unbatched side last; each round of requests
+    goes to every side, in an order that rotates from round to round."""
+    sides = list(deployments)
+    rows = {side: {c: [] for c in clients} for side in sides}
     for side, deployment in deployments.items():  # warm-up
         _round(deployment.address, prompts[:1], 1, 8)
     for rep in range(reps):
-        for c in clients:
-            order = SIDES if (rep + c) % 2 == 0 else SIDES[::-1]
-            for side in order:
+        for i, c in enumerate(clients):
+            turn = (rep * len(clients) + i) % len(sides)
+            for side in sides[turn:] + sides[:turn]:
                 deployment = deployments[side]
-                before = _target_counts(deployment.target.address)
+                before = _counts(deployment)
                 wall, replies = _round(deployment.address, prompts, c, new_tokens)
-                after = _target_counts(deployment.target.address)
+                after = _counts(deployment)
                 tokens = sum(len(r) for r in replies)
                 rows[side][c].append({"rep": rep, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-                                      "verify_batches": after[0] - before[0],
-                                      "batched_verifies": after[1] - before[1], "replies": replies})
+                                      **{key: after[key] - before[key] for key in COUNTS}, "replies": replies})
                 log.info("%s, %d clients: %.2f tok/s", side, c, tokens / wall)
-    summary = {side: {} for side in SIDES}
-    for side in SIDES:
+    summary = {side: {} for side in sides}
+    for side in sides:
         for c in clients:
             runs = rows[side][c]
             summary[side][str(c)] = {
                 "tok_s": sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
                 "tok_s_runs": [r["tok_s"] for r in runs],
-                "verifies_per_batch": (sum(r["batched_verifies"] for r in runs) / sum(r["verify_batches"] for r in runs)
-                                       if any(r["verify_batches"] for r in runs) else 0.0),
+                "verifies_per_batch": _per_batch(runs, "batched_verifies", "verify_batches"),
+                "drafts_per_batch": _per_batch(runs, "batched_drafts", "draft_batches"),
             }
-    identical = sum(a["replies"] == b["replies"] for c in clients
-                    for a, b in zip(rows["batched"][c], rows["unbatched"][c]))
+    reference = rows[UNBATCHED]
     return {
         "modes": summary,
-        "batched_over_unbatched": {str(c): summary["batched"][str(c)]["tok_s"] / summary["unbatched"][str(c)]["tok_s"]
-                                   for c in clients},
-        "identical_rounds": identical,
+        "over_unbatched": {side: {str(c): summary[side][str(c)]["tok_s"] / summary[UNBATCHED][str(c)]["tok_s"]
+                                  for c in clients} for side in sides if side != UNBATCHED},
+        "identical_rounds": {side: sum(a["replies"] == b["replies"] for c in clients
+                                       for a, b in zip(rows[side][c], reference[c]))
+                             for side in sides if side != UNBATCHED},
         "rounds": reps * len(clients),
         "median_tok_s": {side: {str(c): statistics.median(summary[side][str(c)]["tok_s_runs"]) for c in clients}
-                         for side in SIDES},
+                         for side in sides},
     }
 
 
@@ -111,7 +130,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
     parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
                         help="extra draft service flags (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=4, help="the batched side's --batch-verifies (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=4, help="the batched sides' --batch-verifies (default: %(default)s)")
+    parser.add_argument("--batch-drafts", type=int, default=4,
+                        help="the first side's --batch-drafts; 1: no such side (default: %(default)s)")
     parser.add_argument("--clients", default="1,2,4", help="concurrent clients, each run (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
@@ -123,23 +144,33 @@ def main(argv=None) -> int:
     prompts = [PROMPTS[name] for name in args.prompts.split(",")]
     orchestrator = ["--redis-url", ensure_redis(), "--prefix-cache", "0"]  # each request prefills its prompt
 
-    def deployment(batch: int) -> Deployment:
+    def deployment(batch: int, batch_drafts: int) -> Deployment:
         return Deployment(Service("target", ["--model", args.target, "--batch-verifies", str(batch)],
                                   threads=args.threads),
-                          Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads),
+                          Service("draft", ["--model", args.draft, *args.draft_args.split(),
+                                            "--batch-drafts", str(batch_drafts)], threads=args.threads),
                           orchestrator)
 
-    with deployment(args.batch) as batched, deployment(1) as unbatched:
-        result = run({"batched": batched, "unbatched": unbatched}, prompts, clients, args.new_tokens, args.reps)
+    plans = {"target_batched": (args.batch, 1), UNBATCHED: (1, 1)}
+    if args.batch_drafts > 1:
+        plans = {"both_batched": (args.batch, args.batch_drafts), **plans}
+    with contextlib.ExitStack() as stack:
+        deployments = {side: stack.enter_context(deployment(*plan)) for side, plan in plans.items()}
+        result = run(deployments, prompts, clients, args.new_tokens, args.reps)
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, batch=args.batch,
-                  new_tokens=args.new_tokens, prompts=args.prompts.split(","), machine=machine())
+                  batch_drafts=args.batch_drafts, new_tokens=args.new_tokens, prompts=args.prompts.split(","),
+                  machine=machine())
     write(args.out, result)
-    print(f"{'clients':>7} {'batched tok/s':>14} {'unbatched tok/s':>16} {'ratio (cut)':>12} {'verifies a batch':>17}")
+    sides = list(plans)
+    print(f"{'clients':>7} " + " ".join(f"{side + ' tok/s':>22}" for side in sides) + "  over unbatched (cut)"
+          + "  verifies / drafts a batch")
     for c in clients:
-        on, off = result["modes"]["batched"][str(c)], result["modes"]["unbatched"][str(c)]
-        print(f"{c:>7} {on['tok_s']:14.2f} {off['tok_s']:16.2f} {cut(result['batched_over_unbatched'][str(c)]):11.2f}x "
-              f"{on['verifies_per_batch']:17.2f}")
-    print(f"same replies on both sides: {result['identical_rounds']}/{result['rounds']} rounds of requests")
+        modes = [result["modes"][side][str(c)] for side in sides]
+        ratios = ", ".join(f"{cut(result['over_unbatched'][side][str(c)]):.2f}x" for side in sides[:-1])
+        batches = ", ".join(f"{m['verifies_per_batch']:.2f} / {m['drafts_per_batch']:.2f}" for m in modes[:-1])
+        print(f"{c:>7} " + " ".join(f"{m['tok_s']:22.2f}" for m in modes) + f"  {ratios:>20}  {batches}")
+    same = ", ".join(f"{side} {n}/{result['rounds']}" for side, n in result["identical_rounds"].items())
+    print(f"rounds of requests whose replies equal the unbatched side's: {same}")
     return 0
 
 

@@ -233,11 +233,16 @@ class ReducedHead:
         else:
             self.linear = linear if kernel == "native" else pack_linear(linear, kernel)
 
-    @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[hidden] last hidden state → [vocab] float32 logits."""
         assert hidden.ndim == 1, hidden.shape
-        sub = self.linear(hidden[None].to(self.input_dtype))[0]
-        full = torch.full((self.vocab_size,), float("-inf"), device=sub.device)
-        full[self.token_ids] = sub.float()
+        return self.rows(hidden[None])[0]
+
+    @torch.inference_mode()
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] hidden states → [rows, vocab] float32 logits (several sessions' steps at once)."""
+        assert hidden.ndim == 2, hidden.shape
+        sub = self.linear(hidden.to(self.input_dtype))
+        full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=sub.device)
+        full[:, self.token_ids] = sub.float()
         return full

@@ -146,6 +146,60 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
+class _Block:
+    """One call's block as a model drafts it, a step at a time: alone
+    (ModelDrafter._draft) or beside other sessions' blocks (propose_batch)."""
+
+    def __init__(self, drafter: "ModelDrafter", cache: SessionCache, call: ProposeCall, cropped: int, start: float):
+        self.drafter, self.cache, self.call, self.cropped, self.start = drafter, cache, call, cropped, start
+        self.tokens: list[int] = []
+        self.probs: list[float] = []
+        self.dists: list[torch.Tensor] = []
+        self.steps_ms: list[float] = []
+        self.runners_up: list[int] = []
+        self.ranks = call.alternatives and call.sampling.greedy
+        self.done = False
+
+    def feed(self) -> list[int]:
+        """Begins a step: the history gets the last drafted token; the tokens the step runs."""
+        if self.tokens:
+            self.cache.append(self.tokens[-1:])
+        return self.cache.unfed()
+
+    def take(self, logits: torch.Tensor, step_start: float) -> None:
+        """Ends the step with the [vocab] logits of the next token."""
+        call, cache = self.call, self.cache
+        if self.ranks:  # greedy: the token and its runner-up in one pass over the logits
+            ranked = adjust_logits(logits[None], call.sampling, len(cache), cache.tokens)[0]
+            token, runner_up = ranked.topk(2).indices.tolist()
+            drawn = None if call.sampling.grammar and ranked[token] == float("-inf") else (token, None, None)
+        else:
+            drawn = draw(logits, call, position=len(cache), first=not self.tokens, tokens=cache.tokens)
+        if drawn is None:  # the grammar allows none of the tokens this draft scores
+            if self.tokens:
+                cache.crop(len(cache) - 1)  # the history holds the drafted tokens but the last
+            self.done = True
+            return
+        token, prob, dist = drawn
+        if self.ranks:
+            self.runners_up.append(runner_up)
+        self.steps_ms.append((time.perf_counter() - step_start) * 1e3)
+        self.tokens.append(token)
+        if prob is not None:
+            self.probs.append(prob)
+            if call.return_dists:
+                self.dists.append(dist)
+        self.done = len(self.tokens) >= call.num_tokens or self.drafter._doubts(logits, token, call, len(self.tokens))
+
+    def proposal(self) -> Proposal:
+        steps_ms = self.steps_ms
+        if len(self.call.new_tokens) > 1 and len(steps_ms) > 1:
+            steps_ms = steps_ms[1:]  # the first step also prefilled: not a draft step's cost
+        return Proposal(self.tokens, self.probs, self.dists, len(self.call.new_tokens), self.cropped,
+                        (time.perf_counter() - self.start) * 1e3,
+                        sum(steps_ms) / len(steps_ms) if steps_ms else 0.0, self.runners_up)
+
+
 class ModelDrafter:
     """Drafts autoregressively with a small causal LM on a per-session KV cache,
     optionally scoring only a token subset (ReducedHead).
@@ -200,53 +254,72 @@ class ModelDrafter:
 
     def _draft(self, cache: SessionCache, call: ProposeCall, cancelled: threading.Event, cropped: int,
                start: float) -> Proposal:
-        tokens, probs, dists, steps_ms, runners_up = [], [], [], [], []
-        ranks = call.alternatives and call.sampling.greedy
+        block = _Block(self, cache, call, cropped, start)
         self._cancelled = cancelled
         try:
-            for i in range(call.num_tokens):
-                if cancelled.is_set():
-                    break
+            while not block.done and not cancelled.is_set():
                 step_start = time.perf_counter()
-                if i:
-                    cache.append(tokens[-1:])
+                block.feed()
                 try:
                     logits = self._next_logits(cache)
                 except StepAborted:
                     if not cache.drop_partial_step():
                         self.store.release(call.session_id)
                     break
-                if ranks:  # greedy: the token and its runner-up in one pass over the logits
-                    ranked = adjust_logits(logits[None], call.sampling, len(cache), cache.tokens)[0]
-                    token, runner_up = ranked.topk(2).indices.tolist()
-                    drawn = None if call.sampling.grammar and ranked[token] == float("-inf") else (token, None, None)
-                else:
-                    drawn = draw(logits, call, position=len(cache), first=i == 0, tokens=cache.tokens)
-                if drawn is None:  # the grammar allows none of the tokens this draft scores
-                    if i:
-                        cache.crop(len(cache) - 1)  # the history holds the drafted tokens but the last
-                    break
-                token, prob, dist = drawn
-                if ranks:
-                    runners_up.append(runner_up)
-                steps_ms.append((time.perf_counter() - step_start) * 1e3)
-                tokens.append(token)
-                if prob is not None:
-                    probs.append(prob)
-                    if call.return_dists:
-                        dists.append(dist)
-                if self._doubts(logits, token, call, len(tokens)):
-                    break
+                block.take(logits, step_start)
         except Exception:
             self.store.release(call.session_id)  # a half-written cache is never reused
             raise
         finally:
             self._cancelled = None
         self.store.enforce_budget(keep=call.session_id)
-        if len(call.new_tokens) > 1 and len(steps_ms) > 1:
-            steps_ms = steps_ms[1:]  # the first step also prefilled: not a draft step's cost
-        return Proposal(tokens, probs, dists, len(call.new_tokens), cropped, (time.perf_counter() - start) * 1e3,
-                        sum(steps_ms) / len(steps_ms) if steps_ms else 0.0, runners_up)
+        return block.proposal()
+
+    def propose_batch(self, calls: list[tuple[ProposeCall, threading.Event]]) -> list[Proposal | Exception]:
+        """Several sessions' blocks drafted in lockstep (--batch-drafts): each
+        step runs every unfinished block's next token through one forward
+        (runner.forward_batch: the weights read once for all of them). Each
+        block takes its tokens by the rules propose follows; a cache miss fails
+        its own call only, and a cancelled call stops at the next step.
+        Greedy calls only (DraftServicer.batchable)."""
+        if len(calls) == 1:
+            try:
+                return [self.propose(*calls[0])]
+            except Exception as err:
+                return [err]
+        start = time.perf_counter()
+        results: list[Proposal | Exception | None] = [None] * len(calls)
+        blocks: list[tuple[int, _Block, threading.Event]] = []
+        for index, (call, cancelled) in enumerate(calls):
+            try:
+                cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
+            except Exception as err:  # CacheMiss
+                results[index] = err
+                continue
+            cache.append(call.new_tokens)
+            blocks.append((index, _Block(self, cache, call, cropped, start), cancelled))
+        try:
+            while live := [block for _, block, cancelled in blocks if not block.done and not cancelled.is_set()]:
+                step_start = time.perf_counter()
+                feeds = [(block.cache.kv, block.feed(), 1) for block in live]
+                for block, logits in zip(live, self._batch_logits(feeds)):
+                    block.cache.mark_fed()
+                    block.take(logits, step_start)
+        except Exception as err:
+            for index, block, _ in blocks:
+                self.store.release(block.call.session_id)  # a half-written cache is never reused
+                results[index] = err
+            return results
+        for index, block, _ in blocks:
+            self.store.enforce_budget(keep=block.call.session_id)
+            results[index] = block.proposal()
+        return results
+
+    def _batch_logits(self, feeds) -> list[torch.Tensor]:
+        """[vocab] logits of each feed's next token, the feeds in one forward."""
+        if self.head is None:
+            return [logits[0] for logits in self.runner.forward_batch(feeds)]
+        return list(self.head.rows(self.runner.hidden_batch(feeds)))
 
     def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
         start = time.perf_counter()

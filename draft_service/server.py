@@ -13,7 +13,8 @@ from draft_service.prepared import Prepared, skip_held
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears
 from tandem.distributions import encode_distribution
-from tandem.lean import LEAN_STEP, lean_runner
+from tandem.batcher import CallBatcher
+from tandem.lean import LEAN_STEP, lean_runner, unsupported
 from tandem.model_service import INLINE_MAX_ROWS, CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load, load_identity
 from tandem.session_cache import NullKV, SessionCacheStore
@@ -37,6 +38,7 @@ class DraftOptions:
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
     lean_step: str = "auto"  # tandem.lean: "on", "aten", "off", "auto" (for the models it supports)
     int4_kernel: str = "auto"  # Int4Linear's kernel under quantize="int4": "i4w", "aten", "auto": cheap.int4_kernel
+    batch_drafts: int = 1  # greedy blocks of up to N sessions that queue drafted in lockstep; 1 = off
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -51,6 +53,11 @@ class DraftOptions:
             raise ValueError(f"lean_step must be one of {LEAN_STEP}, got {self.lean_step!r}")
         if self.int4_kernel not in INT4_KERNELS:
             raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
+        if self.batch_drafts < 1:
+            raise ValueError(f"batch_drafts must be >= 1, got {self.batch_drafts}")
+        if self.batch_drafts > 1 and self.backend != "model":
+            raise ValueError(f"batch_drafts needs the model backend (prompt lookup runs no forward), "
+                             f"not {self.backend!r}")
 
     @property
     def label(self) -> str:
@@ -60,6 +67,7 @@ class DraftOptions:
             label += f"({self.int4_kernel})" if self.quantize == "int4" and self.int4_kernel != "auto" else ""
             label += f"/vocab={self.vocab_subset}" if self.vocab_subset else ""
             label += f"/confidence>={self.min_confidence:g}" if self.min_confidence else ""
+            label += f"/batch={self.batch_drafts}" if self.batch_drafts > 1 else ""
         return label
 
 
@@ -109,6 +117,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             super().__init__(info, store, serving.ModelWorker("draft-ngram", inline=inline))
             self.drafter = NgramDrafter(store, info.vocab_size, options.ngram_max)
             self.prepared = Prepared(store, self._run_prepared)
+            self.batcher = None
             return
         if options.quantize != "none" and model.device != "cpu":
             kernel = "fbgemm" if options.quantize == "int8" else "CPU int4 kernels"
@@ -126,6 +135,9 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         worker.inline = inline_compute(model.inline_compute, model.device)
         runner = lean_runner(info, model.device, options.lean_step)
         if runner is None:
+            if options.batch_drafts > 1:
+                reason = unsupported(info.model) or f"--lean-step {options.lean_step}"
+                raise ValueError(f"--batch-drafts needs the lean draft step, which is off here ({reason})")
             runner = ModelRunner(info, model.device)
         else:
             self.backend += "/lean+graphs" if runner.graphs else "/lean"
@@ -136,6 +148,11 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         else:
             self.drafter = ModelDrafter(runner, store, head, options.min_confidence)
         self.prepared = Prepared(store, self._run_prepared)
+        self.batcher = None
+        if options.batch_drafts > 1:
+            self.batcher = CallBatcher(worker, self.drafter.propose_batch, options.batch_drafts,
+                                       lambda item: item[0].session_id)
+            log.info("greedy blocks of up to %d sessions that queue are drafted in lockstep", options.batch_drafts)
 
     def _call(self, request) -> ProposeCall:
         self.check_session(request)
@@ -206,8 +223,18 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         return await super().ForkSession(request, context)
 
     def counts(self) -> dict[str, int]:
+        batcher = self.batcher
         return dict(super().counts(), prepared=self.prepared.received, prepared_started=self.prepared.started,
-                    prepared_used=self.prepared.used)
+                    prepared_used=self.prepared.used, draft_batches=batcher.batches if batcher else 0,
+                    batched_drafts=batcher.batched_calls if batcher else 0)
+
+    def batchable(self, call: ProposeCall) -> bool:
+        """Whether the call may be drafted beside others (--batch-drafts): greedy
+        only. A batched step's arithmetic is not a lone step's to the last bit,
+        and a sampled call's draws must be, so that its seed gives the same
+        tokens whatever else the service drafts; a greedy draft may move, and
+        the target's verdict, hence the output, does not."""
+        return self.batcher is not None and call.sampling.greedy
 
     async def Propose(self, request, context):
         started = time.perf_counter()
@@ -224,8 +251,11 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             else:
                 cancelled = threading.Event()
                 context.add_done_callback(lambda _: cancelled.set())
-                proposal = await self.run_checked(context, self.drafter.propose, call, cancelled, cancelled=cancelled,
-                                                  rows=self._rows(call))
+                if self.batchable(call):
+                    proposal = await self.run_batched(context, self.batcher, (call, cancelled))
+                else:
+                    proposal = await self.run_checked(context, self.drafter.propose, call, cancelled,
+                                                      cancelled=cancelled, rows=self._rows(call))
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:
                 telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)

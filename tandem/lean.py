@@ -333,6 +333,13 @@ class LeanRunner:
         feeds' rows (the weights are read once, not once a session); attention
         runs per feed, on its own cache. Per-op path only (no static buffers,
         no fused layers)."""
+        logits = self.head(self.hidden_batch(feeds)).float()
+        return list(logits.split([keep for _, _, keep in feeds]))
+
+    @torch.inference_mode()
+    def hidden_batch(self, feeds: list[tuple[StaticKV, list[int], int]]) -> torch.Tensor:
+        """As forward_batch, up to the head: the feeds' kept rows after the
+        final norm, one feed after another ([sum of logits_to_keep, hidden])."""
         assert feeds and all(tokens and 1 <= keep <= len(tokens) for _, tokens, keep in feeds)
         counts = [len(tokens) for _, tokens, _ in feeds]
         starts = [kv.length for kv, _, _ in feeds]
@@ -369,8 +376,7 @@ class LeanRunner:
             kv.length = start + count
             row += count
             kept.append(x[row - keep:row])
-        logits = self.head(self.norm(torch.cat(kept))).float()
-        return list(logits.split([keep for _, _, keep in feeds]))
+        return self.norm(torch.cat(kept))
 
     verifies_trees = False  # no forward_tree: a verify takes the block alone
     attends_row_by_row = False

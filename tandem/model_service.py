@@ -132,13 +132,21 @@ class ModelServiceBase:
     async def run_checked(self, context, fn, *args, cancelled=None, rows: int | None = None):
         """Runs fn on the model worker and maps failures to status codes;
         `rows`: the token rows the call computes (inline if few)."""
+        return await self._mapped(context, self.worker.run(fn, *args, cancelled=cancelled,
+                                                           span=f"tandem.{self.role}.compute",
+                                                           short=rows is not None and rows <= INLINE_MAX_ROWS))
+
+    async def run_batched(self, context, batcher, call):
+        """As run_checked, through a tandem.batcher.CallBatcher (--batch-verifies, --batch-drafts)."""
+        return await self._mapped(context, batcher.submit(call))
+
+    async def _mapped(self, context, work):
         from tandem.session_cache import CacheMiss
 
         self.calls += 1
         self._sweep_idle()
         try:
-            return await self.worker.run(fn, *args, cancelled=cancelled, span=f"tandem.{self.role}.compute",
-                                         short=rows is not None and rows <= INLINE_MAX_ROWS)
+            return await work
         except CacheMiss as miss:
             await serving.abort_cache_miss(context, miss)
         except InvalidRequest as err:
@@ -201,6 +209,8 @@ class ModelServiceBase:
             forks=counters.forks,
             verify_batches=0,
             batched_verifies=0,
+            draft_batches=0,
+            batched_drafts=0,
         )
 
     def _store_counts(self) -> dict[str, int]:

@@ -55,6 +55,9 @@ _SERVICE_COUNTERS = [
     ("tandem.verify.batches", "verify_batches", "{forward}",
      "target forwards that verified queued calls together (--batch-verifies)"),
     ("tandem.verify.batched", "batched_verifies", "{call}", "verify calls those forwards held"),
+    ("tandem.draft.batches", "draft_batches", "{batch}",
+     "draft batches that drafted queued calls' blocks in lockstep (--batch-drafts)"),
+    ("tandem.draft.batched", "batched_drafts", "{call}", "propose calls those batches held"),
 ]
 _SERVICE_GAUGES = [
     ("tandem.session_cache.sessions", "sessions", "{session}", "sessions held"),

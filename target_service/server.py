@@ -4,10 +4,10 @@ from __future__ import annotations
 import logging
 import time
 
-import grpc
 import torch
 
 from tandem import cpu_kernels, multiplex, serving, telemetry
+from tandem.batcher import CallBatcher
 from tandem.distributions import decode_distribution
 from tandem.lean import MAX_STATIC_ROWS, LeanRunner, unsupported
 from tandem.logprobs import MAX_TOP_LOGPROBS
@@ -16,7 +16,6 @@ from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import sampling_from_proto
-from target_service.batcher import VerifyBatcher
 from target_service.relay import Relay, next_request
 from target_service.verifier import Verifier, VerifyCall
 
@@ -84,7 +83,8 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
         super().__init__(info, store, worker)
         self.verifier = Verifier(runner, store)
-        self.batcher = VerifyBatcher(worker, self.verifier, batch_verifies) if batch_verifies > 1 else None
+        self.batcher = (CallBatcher(worker, self.verifier.verify_batch, batch_verifies, lambda call: call.session_id)
+                        if batch_verifies > 1 else None)
         self.tree_width = suggested_tree_width(model, runner)
         self.relay = Relay()
 
@@ -147,19 +147,6 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         tokens = self.check_tokens(tokens, "alternative_tokens", self.info.vocab_size)
         return tuple(zip(positions, tokens))
 
-    async def run_batched(self, context, call: VerifyCall):
-        """As run_checked, through the batcher (--batch-verifies)."""
-        from tandem.session_cache import CacheMiss
-
-        self.calls += 1
-        self._sweep_idle()
-        try:
-            return await self.batcher.verify(call)
-        except CacheMiss as miss:
-            await serving.abort_cache_miss(context, miss)
-        except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-
     def counts(self) -> dict[str, int]:
         batcher = self.batcher
         return dict(super().counts(), verify_batches=batcher.batches if batcher else 0,
@@ -179,7 +166,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": len(call.draft_tokens)})
             if self.batcher is not None:
-                outcome = await self.run_batched(context, call)
+                outcome = await self.run_batched(context, self.batcher, call)
             else:
                 outcome = await self.run_checked(context, self.verifier.verify, call,
                                                  rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from tandem import fingerprint
+from tandem.batcher import CallBatcher
 from tandem.lean import LeanRunner
 from tandem.modeling import ModelConfig, load
 from tandem.sampling import SamplingParams
 from tandem.serving import ModelWorker
 from tandem.session_cache import CacheMiss, SessionCacheStore
-from target_service.batcher import VerifyBatcher
 from target_service.verifier import Verifier, VerifyCall
 from tests.conftest import Cluster, reference_greedy
 
@@ -99,10 +99,11 @@ def test_a_cache_miss_fails_its_own_call_only(runner):
 def test_verifies_that_queue_behind_a_running_one_go_together(runner):
     async def run():
         worker = ModelWorker("test-target")
-        batcher = VerifyBatcher(worker, _verifier(runner), max_batch=8)
+        verifier = _verifier(runner)
+        batcher = CallBatcher(worker, verifier.verify_batch, 8, lambda call: call.session_id)
         try:
             calls = _calls(GREEDY)
-            outcomes = await asyncio.gather(*(batcher.verify(call) for call in calls))
+            outcomes = await asyncio.gather(*(batcher.submit(call) for call in calls))
         finally:
             worker.shutdown()
         return batcher, outcomes
@@ -117,11 +118,11 @@ def test_a_verify_cancelled_while_queued_never_runs(runner):
     async def run():
         worker = ModelWorker("test-target")
         verifier = _verifier(runner)
-        batcher = VerifyBatcher(worker, verifier, max_batch=8)
+        batcher = CallBatcher(worker, verifier.verify_batch, 8, lambda call: call.session_id)
         calls = _calls(GREEDY)
         try:
-            first = asyncio.ensure_future(batcher.verify(calls[0]))
-            queued = asyncio.ensure_future(batcher.verify(calls[1]))
+            first = asyncio.ensure_future(batcher.submit(calls[0]))
+            queued = asyncio.ensure_future(batcher.submit(calls[1]))
             await asyncio.sleep(0)  # both are in: the first runs, the second waits
             queued.cancel()
             await first
@@ -168,7 +169,122 @@ def test_the_batch_probe_runs_both_sides_and_gets_the_same_replies(char_models, 
                  "--clients", "1,3", "--prompts", "code-1,code-2,prose-1", "--new-tokens", "12", "--reps", "1",
                  "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["identical_rounds"] == result["rounds"] == 2
-    for side in ("batched", "unbatched"):
-        assert all(result["modes"][side][c]["tok_s"] > 0 for c in ("1", "3"))
-    assert result["modes"]["unbatched"]["3"]["verifies_per_batch"] == 0
+    assert result["rounds"] == 2 and result["identical_rounds"] == {"both_batched": 2, "target_batched": 2}
+    modes = result["modes"]
+    assert list(modes) == ["both_batched", "target_batched", "unbatched"]
+    for side in modes:
+        assert all(modes[side][c]["tok_s"] > 0 for c in ("1", "3"))
+    assert modes["unbatched"]["3"]["verifies_per_batch"] == modes["unbatched"]["3"]["drafts_per_batch"] == 0
+    assert modes["target_batched"]["3"]["drafts_per_batch"] == 0
+
+
+# --- the draft's --batch-drafts ------------------------------------------------------
+
+def _drafter(tiny_models, vocab_subset: int = 0):
+    """The draft service's model drafter on the lean step (its layers per op), loaded as the service loads it."""
+    from draft_service.drafters import ModelDrafter
+    from draft_service.server import DraftOptions, _load_draft
+
+    info, head = _load_draft(ModelConfig(tiny_models["other"], dtype="float32"), DraftOptions(vocab_subset=vocab_subset))
+    runner = LeanRunner(info, "cpu", fused=False)
+    store = SessionCacheStore(runner.new_cache)
+    for session, tokens in HISTORIES.items():
+        cache, _ = store.checkout(session, 0, 0)
+        cache.append(tokens[:3])  # the rest comes as the calls' new tokens: a prefill beside one-token steps
+    return ModelDrafter(runner, store, head)
+
+
+def _propose_calls(alternatives: bool = False):
+    from draft_service.drafters import ProposeCall
+
+    calls = []
+    for i, (session, tokens) in enumerate(HISTORIES.items()):
+        new = tokens[3:] + [i + 1]  # "b" has no rest: its call feeds one token
+        calls.append(ProposeCall(session, 3, fingerprint.of(tokens[:3]), new, num_tokens=3 + i, sampling=GREEDY,
+                                 return_dists=False, first_is_bonus_guess=i == 1, alternatives=alternatives))
+    return calls
+
+
+@pytest.mark.parametrize("vocab_subset,alternatives", [(0, False), (100, False), (0, True)],
+                         ids=["full-head", "reduced-head", "alternatives"])
+def test_a_batch_of_drafts_proposes_what_each_would_alone(tiny_models, vocab_subset, alternatives):
+    batched, alone = _drafter(tiny_models, vocab_subset), _drafter(tiny_models, vocab_subset)
+    calls = _propose_calls(alternatives)
+    proposals = batched.propose_batch([(call, threading.Event()) for call in calls])
+    for call, proposal in zip(calls, proposals):
+        expected = alone.propose(call, threading.Event())
+        assert proposal.tokens == expected.tokens and len(proposal.tokens) == call.num_tokens
+        assert proposal.alternatives == expected.alternatives
+        assert (proposal.prefilled, proposal.cropped) == (expected.prefilled, expected.cropped)
+        # The history is the prefix + new tokens + the block but its last token, fed, as alone.
+        held = batched.store.peek(call.session_id)
+        assert held.tokens == alone.store.peek(call.session_id).tokens
+        assert held.tokens[-len(proposal.tokens) + 1:] == proposal.tokens[:-1]
+        assert held.kv_len == len(held.tokens)
+
+
+def test_a_batched_draft_that_misses_or_is_cancelled_fails_or_stops_alone(tiny_models):
+    from draft_service.drafters import ProposeCall
+    from tandem.session_cache import CacheMiss
+
+    drafter = _drafter(tiny_models)
+    calls = _propose_calls()
+    calls[0] = ProposeCall("a", 3, fingerprint.of([9, 9, 9]), [1], 3, GREEDY, False, False)
+    stopped = threading.Event()
+    stopped.set()  # the caller went away before its first step
+    proposals = drafter.propose_batch([(calls[0], threading.Event()), (calls[1], stopped),
+                                       (calls[2], threading.Event())])
+    assert isinstance(proposals[0], CacheMiss)
+    assert proposals[1].tokens == [] and drafter.store.peek("b").tokens == HISTORIES["b"] + calls[1].new_tokens
+    assert len(proposals[2].tokens) == calls[2].num_tokens
+    assert proposals[2].tokens == _drafter(tiny_models).propose(calls[2], threading.Event()).tokens
+
+
+def test_concurrent_requests_on_a_batching_draft_equal_the_target_alone(tiny_models):
+    """Greedy requests from six clients against a draft service with
+    --batch-drafts 4 (and a batching target): each output is the target alone's,
+    and some draft batches held several sessions; a seeded sampled request
+    among them gives the tokens it gives on a service that does not batch."""
+    from draft_service.server import DraftOptions
+
+    prompts = [[(13 * i + j) % 120 + 1 for j in range(10 + i)] for i in range(6)]
+    sampled = dict(temperature=0.9, seed=5, num_draft_tokens=3)
+    results = [None] * len(prompts)
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], target_batch=4,
+                      draft_options=DraftOptions(batch_drafts=4), relay=False)  # the relay's drafts run alone
+    try:
+        def one(i):
+            with cluster.client() as client:
+                results[i] = client.generate(prompt_ids=prompts[i], max_tokens=40, num_draft_tokens=6)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        with cluster.client() as client:
+            seeded = client.generate(prompt_ids=prompts[0], max_tokens=24, **sampled)
+        for thread in threads:
+            thread.join(120)
+        stats = cluster.draft.counts()
+        backend = cluster.draft.backend
+    finally:
+        cluster.stop()
+    assert "/batch=4" in backend
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 40)
+    assert stats["batched_drafts"] > stats["draft_batches"] > 0  # some batches held several sessions
+    plain = Cluster(tiny_models["target"], tiny_models["other"], relay=False)
+    try:
+        with plain.client() as client:
+            assert client.generate(prompt_ids=prompts[0], max_tokens=24, **sampled).token_ids == seeded.token_ids
+    finally:
+        plain.stop()
+
+
+def test_batch_drafts_needs_the_model_backend_and_the_lean_step(tiny_models):
+    from draft_service.server import DraftOptions, DraftServicer
+
+    with pytest.raises(ValueError, match="model backend"):
+        DraftOptions(backend="ngram", batch_drafts=2)
+    with pytest.raises(ValueError, match="lean draft step"):
+        DraftServicer(ModelConfig(tiny_models["other"], dtype="float32"), options=DraftOptions(batch_drafts=2,
+                                                                                                lean_step="off"))

@@ -1,35 +1,45 @@
-"""Verifies of several sessions in one forward (--batch-verifies).
+"""Calls of several sessions run as one batch on a model worker: the target's
+verifies (--batch-verifies) and the draft's blocks (--batch-drafts).
 
-A verify that finds no other verify running goes to the model worker at once,
-alone: batching adds no wait. Those that arrive while one runs queue, and go
-together, up to max_batch of them, as soon as it ends: under load the target
-reads its weights once for several sessions' blocks instead of once each.
+A call that finds no batch running goes to the worker at once, alone:
+batching adds no wait. Those that arrive while one runs queue, and go
+together, up to max_batch of them (one a session), as soon as it ends: under
+load the model reads its weights once for several sessions instead of once
+each.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable, Generic, TypeVar
 
 from tandem.serving import ModelWorker
-from target_service.verifier import Verifier, VerifyCall, VerifyOutcome
 
 log = logging.getLogger(__name__)
+C = TypeVar("C")
+R = TypeVar("R")
 
 
-class VerifyBatcher:
-    def __init__(self, worker: ModelWorker, verifier: Verifier, max_batch: int):
+class CallBatcher(Generic[C, R]):
+    """run_batch(calls) runs on the worker and returns each call's result, or
+    the exception that call alone raises; session_of(call) names the session
+    a call works on (a batch holds one call a session)."""
+
+    def __init__(self, worker: ModelWorker, run_batch: Callable[[list[C]], list[R | Exception]], max_batch: int,
+                 session_of: Callable[[C], str]):
         if max_batch < 2:
-            raise ValueError(f"a batch holds at least 2 verifies, got {max_batch}")
+            raise ValueError(f"a batch holds at least 2 calls, got {max_batch}")
         self.worker = worker
-        self.verifier = verifier
+        self.run_batch = run_batch
         self.max_batch = max_batch
-        self._pending: list[tuple[VerifyCall, asyncio.Future]] = []
+        self.session_of = session_of
+        self._pending: list[tuple[C, asyncio.Future]] = []
         self._running = False
-        self.batches = 0  # forwards run, and the verifies they held (ServiceStats)
+        self.batches = 0  # batches run, and the calls they held (ServiceStats)
         self.batched_calls = 0
 
-    async def verify(self, call: VerifyCall) -> VerifyOutcome:
-        """The call's outcome, or the exception its verify raises (a cache miss, say)."""
+    async def submit(self, call: C) -> R:
+        """The call's result, or the exception it raises (a cache miss, say)."""
         future = asyncio.get_running_loop().create_future()
         self._pending.append((call, future))
         if not self._running:
@@ -41,16 +51,17 @@ class VerifyBatcher:
         for call, future in self._pending:
             if future.cancelled():
                 continue  # its caller went away before it ran
-            if len(batch) < self.max_batch and call.session_id not in sessions:
+            session = self.session_of(call)
+            if len(batch) < self.max_batch and session not in sessions:
                 batch.append((call, future))
-                sessions.add(call.session_id)
+                sessions.add(session)
             else:
                 later.append((call, future))
         self._pending = later
         if not batch:
             return
         self._running = True
-        task = asyncio.ensure_future(self.worker.run(self.verifier.verify_batch, [call for call, _ in batch]))
+        task = asyncio.ensure_future(self.worker.run(self.run_batch, [call for call, _ in batch]))
         task.add_done_callback(lambda done: self._finish(batch, done))
 
     def _finish(self, batch, task: asyncio.Task) -> None:
