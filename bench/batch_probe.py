@@ -1,19 +1,21 @@
-"""What batching across sessions gives under concurrent requests: three
-deployments of the same pair, one whose target batches the verifies that
-queue (--batch-verifies N) and whose draft batches the greedy blocks that
-queue (--batch-drafts M), one whose target alone batches, and one that does
-not batch, each sent the same greedy requests by C concurrent clients, for
-each C; side by side in one run, the order of the sides rotating.
+"""What batching across sessions gives under concurrent requests: deployments
+of the same pair, up at once, that batch in different places (--sides):
+both_batched (the target batches the verifies that queue, --batch-verifies N,
+and the draft the greedy blocks that queue, --batch-drafts M), target_batched
+(the target alone), unbatched. Each is sent the same greedy requests by C
+concurrent clients, for each C; side by side in one run, the order of the
+sides rotating from round to round.
 
 For each side and C it records the tokens per second of all streams together
 (tokens over the wall time of the round of requests), the services' batches
-and the calls they held, and whether every reply equals the unbatched side's.
+and the calls they held, and whether every reply equals the last side's (the
+reference of the ratios too).
 
-    python -m bench.batch_probe                        # the default pair, C = 1, 2, 4, 64 tokens
-    python -m bench.batch_probe --clients 1,2,3,4 --reps 3
-    python -m bench.batch_probe --batch-drafts 1       # two sides: the target's batching alone
+    python -m bench.batch_probe                        # the draft's batching: both_batched,target_batched
+    python -m bench.batch_probe --sides target_batched,unbatched --clients 1,2,3,4 --reps 3
 
-Writes bench/results/batch_probe.json."""
+Three sides of the default pair do not fit in 24 GiB (a target peaks at about
+6 GiB while it loads). Writes bench/results/batch_probe.json."""
 from __future__ import annotations
 
 import argparse
@@ -33,7 +35,7 @@ from tandem.redis_local import ensure_redis
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger("bench.batch_probe")
-UNBATCHED = "unbatched"
+SIDES = ("both_batched", "target_batched", "unbatched")
 
 
 def _round(address: str, prompts: list[str], clients: int, new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -81,9 +83,10 @@ def _per_batch(runs: list[dict], calls: str, batches: str) -> float:
 
 
 def run(deployments: dict, prompts: list[str], clients: list[int], new_tokens: int, reps: int) -> dict:
-    """deployments: by side, the unbatched side last; each round of requests
-    goes to every side, in an order that rotates from round to round."""
+    """deployments: by side, the reference last; each round of requests goes
+    to every side, in an order that rotates from round to round."""
     sides = list(deployments)
+    reference = sides[-1]
     rows = {side: {c: [] for c in clients} for side in sides}
     for side, deployment in deployments.items():  # warm-up
         _round(deployment.address, prompts[:1], 1, 8)
@@ -109,14 +112,14 @@ def run(deployments: dict, prompts: list[str], clients: list[int], new_tokens: i
                 "verifies_per_batch": _per_batch(runs, "batched_verifies", "verify_batches"),
                 "drafts_per_batch": _per_batch(runs, "batched_drafts", "draft_batches"),
             }
-    reference = rows[UNBATCHED]
     return {
         "modes": summary,
-        "over_unbatched": {side: {str(c): summary[side][str(c)]["tok_s"] / summary[UNBATCHED][str(c)]["tok_s"]
-                                  for c in clients} for side in sides if side != UNBATCHED},
+        "reference": reference,
+        "over_reference": {side: {str(c): summary[side][str(c)]["tok_s"] / summary[reference][str(c)]["tok_s"]
+                                  for c in clients} for side in sides[:-1]},
         "identical_rounds": {side: sum(a["replies"] == b["replies"] for c in clients
-                                       for a, b in zip(rows[side][c], reference[c]))
-                             for side in sides if side != UNBATCHED},
+                                       for a, b in zip(rows[side][c], rows[reference][c]))
+                             for side in sides[:-1]},
         "rounds": reps * len(clients),
         "median_tok_s": {side: {str(c): statistics.median(summary[side][str(c)]["tok_s_runs"]) for c in clients}
                          for side in sides},
@@ -132,7 +135,9 @@ def main(argv=None) -> int:
                         help="extra draft service flags (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=4, help="the batched sides' --batch-verifies (default: %(default)s)")
     parser.add_argument("--batch-drafts", type=int, default=4,
-                        help="the first side's --batch-drafts; 1: no such side (default: %(default)s)")
+                        help="both_batched's --batch-drafts (default: %(default)s)")
+    parser.add_argument("--sides", default="both_batched,target_batched",
+                        help=f"two or more of {', '.join(SIDES)}, the reference last (default: %(default)s)")
     parser.add_argument("--clients", default="1,2,4", help="concurrent clients, each run (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
@@ -151,26 +156,27 @@ def main(argv=None) -> int:
                                             "--batch-drafts", str(batch_drafts)], threads=args.threads),
                           orchestrator)
 
-    plans = {"target_batched": (args.batch, 1), UNBATCHED: (1, 1)}
-    if args.batch_drafts > 1:
-        plans = {"both_batched": (args.batch, args.batch_drafts), **plans}
+    sides = args.sides.split(",")
+    if len(sides) < 2 or len(set(sides)) < len(sides) or not set(sides) <= set(SIDES):
+        parser.error(f"--sides: two or more distinct of {', '.join(SIDES)}, got {args.sides!r}")
+    plan = {"both_batched": (args.batch, args.batch_drafts), "target_batched": (args.batch, 1), "unbatched": (1, 1)}
+    plans = {side: plan[side] for side in sides}
     with contextlib.ExitStack() as stack:
         deployments = {side: stack.enter_context(deployment(*plan)) for side, plan in plans.items()}
         result = run(deployments, prompts, clients, args.new_tokens, args.reps)
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, batch=args.batch,
-                  batch_drafts=args.batch_drafts, new_tokens=args.new_tokens, prompts=args.prompts.split(","),
+                  batch_drafts=args.batch_drafts, sides=sides, new_tokens=args.new_tokens, prompts=args.prompts.split(","),
                   machine=machine())
     write(args.out, result)
-    sides = list(plans)
-    print(f"{'clients':>7} " + " ".join(f"{side + ' tok/s':>22}" for side in sides) + "  over unbatched (cut)"
+    print(f"{'clients':>7} " + " ".join(f"{side + ' tok/s':>22}" for side in sides) + f"  over {sides[-1]} (cut)"
           + "  verifies / drafts a batch")
     for c in clients:
         modes = [result["modes"][side][str(c)] for side in sides]
-        ratios = ", ".join(f"{cut(result['over_unbatched'][side][str(c)]):.2f}x" for side in sides[:-1])
+        ratios = ", ".join(f"{cut(result['over_reference'][side][str(c)]):.2f}x" for side in sides[:-1])
         batches = ", ".join(f"{m['verifies_per_batch']:.2f} / {m['drafts_per_batch']:.2f}" for m in modes[:-1])
         print(f"{c:>7} " + " ".join(f"{m['tok_s']:22.2f}" for m in modes) + f"  {ratios:>20}  {batches}")
     same = ", ".join(f"{side} {n}/{result['rounds']}" for side, n in result["identical_rounds"].items())
-    print(f"rounds of requests whose replies equal the unbatched side's: {same}")
+    print(f"rounds of requests whose replies equal {sides[-1]}'s: {same}")
     return 0
 
 

@@ -166,16 +166,16 @@ def test_the_batch_probe_runs_both_sides_and_gets_the_same_replies(char_models, 
 
     out = tmp_path / "batch_probe.json"
     assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
-                 "--clients", "1,3", "--prompts", "code-1,code-2,prose-1", "--new-tokens", "12", "--reps", "1",
-                 "--out", str(out)]) == 0
+                 "--sides", "both_batched,unbatched", "--clients", "1,3", "--prompts", "code-1,code-2,prose-1",
+                 "--new-tokens", "12", "--reps", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["rounds"] == 2 and result["identical_rounds"] == {"both_batched": 2, "target_batched": 2}
+    assert result["rounds"] == 2 and result["identical_rounds"] == {"both_batched": 2}
     modes = result["modes"]
-    assert list(modes) == ["both_batched", "target_batched", "unbatched"]
+    assert list(modes) == ["both_batched", "unbatched"] and result["reference"] == "unbatched"
     for side in modes:
         assert all(modes[side][c]["tok_s"] > 0 for c in ("1", "3"))
     assert modes["unbatched"]["3"]["verifies_per_batch"] == modes["unbatched"]["3"]["drafts_per_batch"] == 0
-    assert modes["target_batched"]["3"]["drafts_per_batch"] == 0
+    assert set(result["over_reference"]) == {"both_batched"}
 
 
 # --- the draft's --batch-drafts ------------------------------------------------------
