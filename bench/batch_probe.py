@@ -13,6 +13,7 @@ reference of the ratios too).
 
     python -m bench.batch_probe                        # the draft's batching: both_batched,target_batched
     python -m bench.batch_probe --sides target_batched,unbatched --clients 1,2,3,4 --reps 3
+    python -m bench.batch_probe --clients 4,8 --repeat 2 --batch 8 --batch-drafts 8   # 8 streams
 
 Three sides of the default pair do not fit in 24 GiB (a target peaks at about
 6 GiB while it loads). Writes bench/results/batch_probe.json."""
@@ -142,11 +143,16 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=2, help="passes (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="each prompt sent this many times a round, as requests of their own: more "
+                             "streams than prompts (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch_probe.json", help="JSON output path")
     args = parse_args(parser, argv)
     clients = [int(c) for c in args.clients.split(",")]
-    prompts = [PROMPTS[name] for name in args.prompts.split(",")]
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    prompts = [PROMPTS[name] for name in args.prompts.split(",")] * args.repeat
     orchestrator = ["--redis-url", ensure_redis(), "--prefix-cache", "0"]  # each request prefills its prompt
 
     def deployment(batch: int, batch_drafts: int) -> Deployment:
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
         deployments = {side: stack.enter_context(deployment(*plan)) for side, plan in plans.items()}
         result = run(deployments, prompts, clients, args.new_tokens, args.reps)
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, batch=args.batch,
-                  batch_drafts=args.batch_drafts, sides=sides, new_tokens=args.new_tokens, prompts=args.prompts.split(","),
+                  batch_drafts=args.batch_drafts, sides=sides, repeat=args.repeat, new_tokens=args.new_tokens, prompts=args.prompts.split(","),
                   machine=machine())
     write(args.out, result)
     print(f"{'clients':>7} " + " ".join(f"{side + ' tok/s':>22}" for side in sides) + f"  over {sides[-1]} (cut)"
