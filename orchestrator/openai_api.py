@@ -626,7 +626,7 @@ def response(call: Call, model: str, answers: list[Answer]) -> dict:
                 calls = tool_calls(call, text)
                 content = None if calls is not None else text
             elif call.tool_parser is not None:
-                content, calls = tool_parsers.parse(text)
+                content, calls = tool_parsers.parse(call.tool_parser, text)
             choice["message"] = {"role": "assistant", "content": content}
             if calls is not None:
                 choice["message"]["tool_calls"] = calls
@@ -713,7 +713,7 @@ class Chunks:
             return chunks
         if self.call.chat and self.call.tool_parser is not None:  # content up to a call's opening tag
             said = self._said[index] = self._said.get(index, "") + delta.text
-            sent, ready = self._sent.get(index, 0), tool_parsers.sendable(said)
+            sent, ready = self._sent.get(index, 0), tool_parsers.sendable(self.call.tool_parser, said)
             if ready > sent:
                 self._sent[index] = ready
                 chunks.append(self._chunk([self._choice(index, said[sent:ready], list(delta.token_ids), None,
@@ -740,7 +740,7 @@ class Chunks:
             reason = _tools_finish_reason(self.call, reason)
         elif self.call.chat and self.call.tool_parser is not None:
             said, sent = self._said.pop(index, ""), self._sent.pop(index, 0)
-            _, calls = tool_parsers.parse(said)
+            _, calls = tool_parsers.parse(self.call.tool_parser, said)
             if calls is not None:
                 choice = self._choice(index, None, None, None)
                 choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]

@@ -1,59 +1,183 @@
 """Tool calls in a model's free text, for the HTTP API's tool_choice "auto"
-(`tandem serve orchestrator --tool-call-parser`): the model writes its calls in
-its own format, which is parsed out of the answer. The text itself is what the
-target alone generates; parsing only reshapes it.
+(`tandem serve orchestrator --tool-call-parser NAME`): the model writes its
+calls in its own format, which is parsed out of the answer. The text itself is
+what the target alone generates; parsing only reshapes it. The formats are
+those vLLM's parsers of the same names read:
 
-hermes: Qwen2.5's and Hermes' format, which their chat templates teach:
+hermes: Qwen2.5's and Hermes' format, which their chat templates teach, one
+block a call, after any text of the answer's own (the content; text after the
+calls is dropped, as vLLM's hermes parser does):
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Oslo"}}
     </tool_call>
 
-one block a call, after any text of the answer's own (the content; text after
-the calls is dropped, as vLLM's hermes parser does)."""
+llama3_json: Llama 3.1 and 3.2's JSON calls, the whole answer, separated by
+";" (the <|python_tag|> before them is a special token, gone from the text):
+
+    {"name": "get_weather", "parameters": {"city": "Oslo"}}
+
+mistral: Mistral's [TOOL_CALLS] and a JSON list of calls. [TOOL_CALLS] is a
+special token, so the text usually holds only the list, which must then be
+the whole answer; where the tag is in the text, what precedes it is content:
+
+    [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+
+pythonic: Llama 3.2's and Llama 4's Python list of calls, the whole answer,
+keyword arguments of literal values:
+
+    [get_weather(city="Oslo"), get_time(zone="CET")]
+
+A text that does not hold complete, well-formed calls is left as it is: its
+content, no calls."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 
-PARSERS = ("hermes",)
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)" + re.escape(_CLOSE), re.DOTALL)
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(re.escape(_HERMES_OPEN) + r"(.*?)" + re.escape(_HERMES_CLOSE), re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_TAG = "[TOOL_CALLS]"
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
-def parse(text: str) -> tuple[str | None, list[dict] | None]:
+def parse(parser: str, text: str) -> tuple[str | None, list[dict] | None]:
     """(the content before the calls, or None if there is none; OpenAI's
-    tool_calls, or None where the text holds no complete, well-formed call).
-    A text whose blocks do not all parse is left as it is: (text, None)."""
-    start = text.find(_OPEN)
-    if start < 0:
+    tool_calls, or None where the text holds no complete, well-formed call)."""
+    found = _PARSE[parser](text)
+    if found is None:
         return text, None
-    calls = []
-    for block in _BLOCK.findall(text[start:]):
-        try:
-            call = json.loads(block)
-            name, arguments = call["name"], call.get("arguments", {})
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return text, None
-        if not isinstance(name, str):
-            return text, None
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": arguments if isinstance(arguments, str)
-                                   else json.dumps(arguments, ensure_ascii=False)}})
-    if not calls:  # an opening tag without its closing one (cut by max_tokens, say)
-        return text, None
-    content = text[:start].strip()
-    return content or None, calls
+    content, calls = found
+    content = content.strip()
+    return content or None, [_openai_call(name, arguments) for name, arguments in calls]
 
 
-def sendable(text: str) -> int:
-    """How much of a streamed answer's text may go out as content now: all of
-    it before a call's opening tag, less an end that could begin one."""
-    start = text.find(_OPEN)
+def sendable(parser: str, text: str) -> int:
+    """How much of a streamed answer's text may go out as content now: none
+    of the calls, nor an end of the text that could begin them."""
+    if parser == "hermes":
+        return _before_tag(text, _HERMES_OPEN)
+    if parser == "mistral":
+        if _opens(text, "[", _MISTRAL_TAG):
+            return 0
+        return _before_tag(text, _MISTRAL_TAG)
+    opener = {"llama3_json": ("{", _PYTHON_TAG), "pythonic": ("[", _PYTHON_START)}[parser]
+    return 0 if _opens(text, *opener) else len(text)
+
+
+def _openai_call(name: str, arguments) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments if isinstance(arguments, str)
+                         else json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _before_tag(text: str, tag: str) -> int:
+    """All of the text before the tag, less an end that could begin it."""
+    start = text.find(tag)
     if start >= 0:
         return start
-    for keep in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-        if _OPEN.startswith(text[-keep:]):
+    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-keep:]):
             return len(text) - keep
     return len(text)
+
+
+def _opens(text: str, bracket: str, tag: str) -> bool:
+    """Whether the answer so far could be the start of calls that are the whole
+    answer: it starts (after blank space) with the bracket, the tag, or a part of the tag."""
+    head = text.lstrip()
+    return not head or head.startswith((bracket, tag)) or tag.startswith(head)
+
+
+def _call(value, arguments_key: str = "arguments") -> tuple[str, object] | None:
+    """(name, arguments) of a JSON call object, or None if it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", {}))
+    if not isinstance(arguments, (dict, str)):
+        return None
+    return value["name"], arguments
+
+
+def _hermes(text: str):
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return None
+    calls = []
+    for block in _HERMES_BLOCK.findall(text[start:]):
+        try:
+            call = _call(json.loads(block))
+        except json.JSONDecodeError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return (text[:start], calls) if calls else None  # no calls: an opening tag cut off (by max_tokens, say)
+
+
+def _llama3_json(text: str):
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return None
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return None
+        call = _call(value, "parameters")
+        if call is None:
+            return None
+        calls.append(call)
+        rest = body[at:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        elif rest:
+            return None  # text after a call that is not another call
+        at = len(body) - len(rest)
+    return "", calls
+
+
+def _mistral(text: str):
+    start = text.find(_MISTRAL_TAG)
+    content, body = (text[:start], text[start + len(_MISTRAL_TAG):]) if start >= 0 else ("", text)
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, list) or not value:
+        return None
+    calls = [_call(item) for item in value]
+    return None if None in calls else (content, calls)
+
+
+def _pythonic(text: str):
+    body = text.strip().removeprefix(_PYTHON_START).removesuffix(_PYTHON_END).strip()
+    if not body.startswith("["):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for element in tree.elts:
+        if not (isinstance(element, ast.Call) and isinstance(element.func, ast.Name) and not element.args):
+            return None  # a call of a plain name, by keyword arguments only
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in element.keywords}
+        except ValueError:
+            return None
+        if None in arguments:  # **kwargs
+            return None
+        calls.append((element.func.id, arguments))
+    return "", calls
+
+
+_PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "pythonic": _pythonic}
+assert set(_PARSE) == set(PARSERS)

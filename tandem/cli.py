@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from orchestrator import tool_parsers
 from tandem.logprobs import MAX_TOP_LOGPROBS
 
 # Idle OpenMP threads spin about a millisecond before they sleep, unless the
@@ -276,10 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "/v1/models, /health) on this port of --host; 0 picks one (default: off)")
     orch.add_argument("--served-model-name", default="",
                       help="the model id the HTTP API lists and requests name (default: the target model's id)")
-    orch.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+    orch.add_argument("--tool-call-parser", choices=tool_parsers.PARSERS, default=None,
                       help="the HTTP API's tool_choice 'auto' (OpenAI's default with tools): parse the model's tool "
-                           "calls out of its answers in this format (hermes: Qwen2.5's and Hermes' <tool_call> "
-                           "blocks) (default: none, and 'auto' is refused)")
+                           "calls out of its answers in this format, as vLLM's parser of the name does (hermes: "
+                           "Qwen2.5's and Hermes' <tool_call> blocks; llama3_json: Llama 3.1/3.2's JSON calls; "
+                           "mistral: Mistral's [TOOL_CALLS] list; pythonic: Llama 3.2/4's [f(x=1)] list) "
+                           "(default: none, and 'auto' is refused)")
     orch.add_argument("--draft", default=DEFAULT_DRAFT, help="draft service address (default: %(default)s)")
     orch.add_argument("--target", default=DEFAULT_TARGET, help="target service address (default: %(default)s)")
     orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),

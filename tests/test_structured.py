@@ -487,19 +487,61 @@ def test_tool_messages_reach_the_template_and_bad_tool_requests_get_a_400(http):
         assert caught.value.body["param"] == param and words in caught.value.body["message"], caught.value.body
 
 
+def _named(calls) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
 def test_the_hermes_parser_takes_calls_out_of_the_text_and_holds_back_a_tag_in_the_making():
     from orchestrator.tool_parsers import parse, sendable
 
     text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n' \
            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
-    content, calls = parse(text)
+    content, calls = parse("hermes", text)
     assert content == "Let me look."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "CET"})]
-    assert parse("no calls here") == ("no calls here", None)
-    assert parse('<tool_call>\n{"name": "get_weather"')[1] is None  # cut short: the text as it came
-    assert parse('<tool_call>{"name": 5}</tool_call>')[1] is None
-    assert [sendable(t) for t in ("abc", "abc<", "abc<tool_", "abc<tool_call>{", "a<b")] == [3, 3, 3, 3, 3]
+    assert _named(calls) == [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "CET"})]
+    assert parse("hermes", "no calls here") == ("no calls here", None)
+    assert parse("hermes", '<tool_call>\n{"name": "get_weather"')[1] is None  # cut short: the text as it came
+    assert parse("hermes", '<tool_call>{"name": 5}</tool_call>')[1] is None
+    assert [sendable("hermes", t) for t in ("abc", "abc<", "abc<tool_", "abc<tool_call>{", "a<b")] == [3, 3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}; '
+                    '{"name": "get_time", "parameters": {"zone": "CET"}}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}};'
+                    '{"name": "get_time", "arguments": {"zone": "CET"}}'),
+    ("mistral", '[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]'),
+    ("mistral", ' [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]'),
+    ("pythonic", '[get_weather(city="Oslo", days=2), get_time(zone="CET")]'),
+    ("pythonic", '<|python_start|>[get_weather(city="Oslo", days=2), get_time(zone="CET")]<|python_end|>'),
+])
+def test_each_parser_reads_its_models_calls_and_holds_them_back_while_streamed(parser, text):
+    from orchestrator.tool_parsers import parse, sendable
+
+    content, calls = parse(parser, text)
+    assert content is None
+    assert _named(calls) == [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "CET"})]
+    assert all(sendable(parser, text[:n]) == 0 for n in range(len(text) + 1))  # no part of a call goes out as text
+    # Cut short, or not a call at all: the text as it came, streamed as it comes.
+    assert parse(parser, text[:-3]) == (text[:-3], None)
+    plain = "The weather in Oslo is mild."
+    assert parse(parser, plain) == (plain, None) and sendable(parser, plain) == len(plain)
+
+
+def test_the_whole_answer_parsers_leave_other_text_alone():
+    from orchestrator.tool_parsers import parse, sendable
+
+    assert parse("llama3_json", '{"name": "f", "parameters": {}} and then some') == \
+        ('{"name": "f", "parameters": {}} and then some', None)
+    assert parse("llama3_json", '{"city": "Oslo"}')[1] is None  # JSON, but not a call
+    assert parse("pythonic", "[1, 2, 3]")[1] is None and parse("pythonic", "[f(*args)]")[1] is None
+    assert parse("pythonic", "[f(x=open('/etc/passwd'))]")[1] is None  # literals only: nothing is evaluated
+    assert parse("mistral", 'Checking. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]')[0] == "Checking."
+    assert sendable("mistral", "Checking. [TOOL_") == len("Checking. ")
+    assert sendable("llama3_json", "  ") == 0 and sendable("llama3_json", "<|pyth") == 0
+    assert sendable("pythonic", "Sure: [f()]") == len("Sure: [f()]")  # not at the start: text
 
 
 @pytest.fixture(scope="module")
@@ -550,6 +592,39 @@ def test_tool_choice_auto_parses_the_calls_the_model_writes(http_tools):
                                                     extra_body={"guided_regex": regex}))
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
         assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_server_with_the_pythonic_parser_answers_the_calls_llama_writes(cluster):
+    """--tool-call-parser pythonic: a call list the tiny model is made to write
+    is tool_calls, whole or streamed, and none of it goes out as content."""
+    from orchestrator.http_gateway import Gateway, start
+    from tests.test_http_api import client
+
+    async def serve():
+        gateway = Gateway(cluster.address, "tandem-tiny", tool_call_parser="pythonic")
+        return (gateway, *await start(gateway, "127.0.0.1", 0))
+
+    gateway, runner, port = cluster.run(serve())
+    try:
+        api = client(f"http://127.0.0.1:{port}")
+        written = {"guided_regex": r'\[get_weather\(city="(Oslo|Paris)",days=[1-9]\)\]'}
+        answer = api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=60, temperature=0,
+                                             tools=[WEATHER, CLOCK], extra_body=written)
+        choice = answer.choices[0]
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Paris")
+        chunks = list(api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=60, temperature=0,
+                                                  tools=[WEATHER, CLOCK], stream=True, extra_body=written))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+        streamed = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                    for tc in c.choices[0].delta.tool_calls]
+        assert [(tc.function.name, tc.function.arguments) for tc in streamed] == \
+               [(call.function.name, call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        cluster.run(runner.cleanup())
+        cluster.run(gateway.close())
 
 
 def test_a_chat_sessions_later_turn_keeps_to_its_own_format(cluster):
