@@ -10,12 +10,10 @@ each.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Callable, Generic, TypeVar
 
 from tandem.serving import ModelWorker
 
-log = logging.getLogger(__name__)
 C = TypeVar("C")
 R = TypeVar("R")
 
