@@ -136,20 +136,30 @@ def test_a_verify_cancelled_while_queued_never_runs(runner):
     assert verifier.store.peek("b").tokens == HISTORIES["b"]  # untouched
 
 
+def _concurrently(cluster, prompts, k: int, meanwhile=None) -> list:
+    """Each prompt from a client thread of its own, 40 greedy tokens with k
+    draft tokens, all at once; meanwhile() runs while they do."""
+    results = [None] * len(prompts)
+
+    def one(i):
+        with cluster.client() as client:
+            results[i] = client.generate(prompt_ids=prompts[i], max_tokens=40, num_draft_tokens=k)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    if meanwhile is not None:
+        meanwhile()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
 def test_concurrent_requests_on_a_batching_target_equal_the_target_alone(tiny_models):
     cluster = Cluster(tiny_models["target"], tiny_models["other"], target_batch=4)
     prompts = [[(13 * i + j) % 120 + 1 for j in range(10 + i)] for i in range(4)]
-    results = [None] * len(prompts)
     try:
-        def one(i):
-            with cluster.client() as client:
-                results[i] = client.generate(prompt_ids=prompts[i], max_tokens=40, num_draft_tokens=2)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        results = _concurrently(cluster, prompts, k=2)
         stats = cluster.target.counts()
     finally:
         cluster.stop()
@@ -249,21 +259,15 @@ def test_concurrent_requests_on_a_batching_draft_equal_the_target_alone(tiny_mod
 
     prompts = [[(13 * i + j) % 120 + 1 for j in range(10 + i)] for i in range(6)]
     sampled = dict(temperature=0.9, seed=5, num_draft_tokens=3)
-    results = [None] * len(prompts)
     cluster = Cluster(tiny_models["target"], tiny_models["other"], target_batch=4,
                       draft_options=DraftOptions(batch_drafts=4), relay=False)  # the relay's drafts run alone
+    seeded = []
     try:
-        def one(i):
+        def meanwhile():
             with cluster.client() as client:
-                results[i] = client.generate(prompt_ids=prompts[i], max_tokens=40, num_draft_tokens=6)
+                seeded.append(client.generate(prompt_ids=prompts[0], max_tokens=24, **sampled))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        with cluster.client() as client:
-            seeded = client.generate(prompt_ids=prompts[0], max_tokens=24, **sampled)
-        for thread in threads:
-            thread.join(120)
+        results = _concurrently(cluster, prompts, k=6, meanwhile=meanwhile)
         stats = cluster.draft.counts()
         backend = cluster.draft.backend
     finally:
@@ -275,7 +279,7 @@ def test_concurrent_requests_on_a_batching_draft_equal_the_target_alone(tiny_mod
     plain = Cluster(tiny_models["target"], tiny_models["other"], relay=False)
     try:
         with plain.client() as client:
-            assert client.generate(prompt_ids=prompts[0], max_tokens=24, **sampled).token_ids == seeded.token_ids
+            assert client.generate(prompt_ids=prompts[0], max_tokens=24, **sampled).token_ids == seeded[0].token_ids
     finally:
         plain.stop()
 
