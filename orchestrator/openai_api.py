@@ -373,7 +373,7 @@ def chat_call(body, tool_parser: str | None = None) -> Call:
         raise invalid("messages", "'messages' must be a non-empty list")
     if _flag(body, "echo"):
         raise invalid("echo", "'echo' is a completion's parameter: a chat completion does not echo")
-    tools, tool_name, required = _tools(body, tool_parser)
+    tools, tool_name, required, parser = _tools(body, tool_parser)
     if tool_name is not None or required:
         if any(body.get(name) is not None for name in ("response_format", "structured_outputs", *dict(GUIDED))):
             raise invalid("tool_choice", "a tool_choice that calls a tool constrains the answer itself: "
@@ -399,15 +399,13 @@ def chat_call(body, tool_parser: str | None = None) -> Call:
                 if not isinstance(message[name], str):
                     raise invalid(f"messages[{i}].{name}", f"'{name}' must be a string")
                 setattr(added, name, message[name])
-    call = _common(body, True, [request])
-    auto = bool(tools) and tool_name is None and not required and body.get("tool_choice") in (None, "auto")
-    return dataclasses.replace(call, tool_name=tool_name, tools_required=required,
-                               tool_parser=tool_parser if auto else None)
+    return dataclasses.replace(_common(body, True, [request]), tool_name=tool_name, tools_required=required,
+                               tool_parser=parser)
 
 
-def _tools(body: dict, tool_parser: str | None = None) -> tuple[list[dict], str | None, bool]:
+def _tools(body: dict, tool_parser: str | None = None) -> tuple[list[dict], str | None, bool, str | None]:
     """"tools" and "tool_choice": (the tools, the function a call is forced
-    to, whether one is required). "auto", OpenAI's default where tools are
+    to, whether one is required, the parser of "auto"'s calls). "auto", OpenAI's default where tools are
     given, needs the model's own tool-call format parsed out of free text
     (--tool-call-parser): without a parser it is refused, as vLLM does."""
     tools = body.get("tools")
@@ -415,7 +413,7 @@ def _tools(body: dict, tool_parser: str | None = None) -> tuple[list[dict], str 
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise invalid("tool_choice", "'tool_choice' needs 'tools'")
-        return [], None, False
+        return [], None, False, None
     if not isinstance(tools, list):
         raise invalid("tools", "'tools' must be a list of tools")
     names = []
@@ -432,18 +430,16 @@ def _tools(body: dict, tool_parser: str | None = None) -> tuple[list[dict], str 
                                      "format parsed from free text: start the server with --tool-call-parser, "
                                      "or send 'required', a named function, or 'none'")
     if choice is None or choice == "auto":
-        return tools, None, False
-    if choice == "none":
-        return tools, None, False
-    if choice == "required":
-        return tools, None, True
+        return tools, None, False, tool_parser
+    if choice in ("none", "required"):
+        return tools, None, choice == "required", None
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise invalid("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
                                      "{\"type\": \"function\", \"function\": {\"name\": ...}}")
     if name not in names:
         raise invalid("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
-    return tools, name, False
+    return tools, name, False, None
 
 
 def _calls_schema(tools: list[dict]) -> dict:
@@ -464,16 +460,11 @@ def tool_calls(call: Call, text: str) -> list[dict] | None:
             json.loads(text)
         except json.JSONDecodeError:
             return None
-        return [_tool_call(call.tool_name, text)]
+        return [tool_parsers.openai_call(call.tool_name, text)]
     try:
-        return [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+        return [tool_parsers.openai_call(c["name"], c["parameters"]) for c in json.loads(text)]
     except (json.JSONDecodeError, KeyError, TypeError):  # a list cut short (by a stop string, say)
         return None
-
-
-def _tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
 
 
 def tokenize_request(body) -> tandem_pb2.TokenizeRequest:
@@ -687,7 +678,7 @@ class Chunks:
             if text is not None and self.call.tool_name is not None and finish_reason is None:
                 # A named tool_choice: the text is the call's arguments, streamed as they come.
                 if index not in self._call_ids:
-                    self._call_ids[index] = f"call_{uuid.uuid4().hex[:24]}"
+                    self._call_ids[index] = tool_parsers.call_id()
                     delta["tool_calls"] = [{"index": 0, "id": self._call_ids[index], "type": "function",
                                             "function": {"name": self.call.tool_name, "arguments": text}}]
                 else:

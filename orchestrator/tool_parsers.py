@@ -53,7 +53,7 @@ def parse(parser: str, text: str) -> tuple[str | None, list[dict] | None]:
         return text, None
     content, calls = found
     content = content.strip()
-    return content or None, [_openai_call(name, arguments) for name, arguments in calls]
+    return content or None, [openai_call(name, arguments) for name, arguments in calls]
 
 
 def sendable(parser: str, text: str) -> int:
@@ -69,8 +69,14 @@ def sendable(parser: str, text: str) -> int:
     return 0 if _opens(text, *opener) else len(text)
 
 
-def _openai_call(name: str, arguments) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def call_id() -> str:
+    """A new tool call's id, as OpenAI's look."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def openai_call(name: str, arguments) -> dict:
+    """One of OpenAI's tool_calls; arguments as JSON text, or a value to write as it."""
+    return {"id": call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments if isinstance(arguments, str)
                          else json.dumps(arguments, ensure_ascii=False)}}
 
