@@ -18,8 +18,9 @@ import time
 import grpc
 from aiohttp import web
 
-from orchestrator.openai_api import (Answer, ApiError, Call, Chunks, chat_call, completion_call, detokenize_request,
-                                     response, tokenize_request)
+from orchestrator.openai_api import Call, chat_call, completion_call, detokenize_request, tokenize_request
+from orchestrator.openai_params import ApiError
+from orchestrator.openai_response import Answer, Chunks, response
 from tandem import serving
 from tandem.serving import MAX_MESSAGE_BYTES
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import random
 
 import grpc
 
@@ -16,13 +14,12 @@ from orchestrator.generation import EngineConfig, Generation, RequestParams, Tur
 from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
+from orchestrator.request_reader import RequestReader, read_tools
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
-from tandem.sampling import MAX_LOGIT_BIASES, SamplingParams
-from tandem.structured import FORMATS, build_grammar
 from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
-from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from tandem.v1 import common_pb2, tandem_pb2, tandem_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
@@ -48,6 +45,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                                          self._release, self._fork) if config.prefix_cache.enabled else None)
         self.tokenizer = None
         self.template = ChatTemplate(None)
+        self.reader: RequestReader | None = None  # once paired
         self.generation: Generation | None = None
         self.draft_info = self.target_info = None
         self.pair_error: str | None = None
@@ -80,6 +78,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             raise PairingError(mismatch)
         target = self.target_info
         self._load_tokenizer(target)
+        self.reader = RequestReader(target, self.tokenizer, self.template, self.config.default_max_tokens)
         self.generation = Generation(
             self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
             EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback,
@@ -180,96 +179,6 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
     async def _tenant(self, context) -> str:
         return await call_tenant(context, self.api_keys)
 
-    def _params(self, msg: tandem_pb2.GenerationParams) -> RequestParams:
-        seed = msg.seed if msg.HasField("seed") else random.getrandbits(63)
-        sampling = SamplingParams(
-            temperature=msg.temperature if msg.HasField("temperature") else 0.0,
-            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-            top_k=msg.top_k if msg.HasField("top_k") else 0,
-            seed=seed,
-            logit_bias=self._logit_bias(msg.logit_bias),
-            presence_penalty=msg.presence_penalty,
-            frequency_penalty=msg.frequency_penalty,
-            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-            min_p=msg.min_p,
-        )
-        if msg.stop:
-            self._need_tokenizer("a stop string")
-        grammar = ""
-        if msg.HasField("structured_output"):
-            self._need_tokenizer("structured output")
-            grammar = self._grammar(msg.structured_output)
-            if not self.target_info.eos_token_ids and not msg.stop_token_ids:
-                raise ValueError("structured output needs an end-of-sequence token to end a complete output, "
-                                 "and the model has none: give stop_token_ids")
-        if msg.HasField("top_logprobs") and not msg.logprobs:
-            raise ValueError("top_logprobs needs logprobs")
-        return RequestParams(
-            sampling=sampling,
-            max_tokens=msg.max_tokens if msg.HasField("max_tokens") else self.config.default_max_tokens,
-            stop=tuple(msg.stop),
-            k=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else 0,
-            pipeline=msg.pipeline if msg.HasField("pipeline") else None,
-            seeded=msg.HasField("seed"),
-            logprobs=(msg.top_logprobs if msg.HasField("top_logprobs") else 0) if msg.logprobs else None,
-            ignore_eos=msg.ignore_eos,
-            echo=msg.echo,
-            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-            min_tokens=msg.min_tokens,
-            stop_token_ids=frozenset(self._check_ids(list(msg.stop_token_ids), "stop_token_ids")),
-            grammar=grammar,
-        )
-
-    @staticmethod
-    def _grammar(msg: tandem_pb2.StructuredOutput) -> str:
-        kind = msg.WhichOneof("format")
-        if kind is None:
-            raise ValueError("structured_output names no format: one of " + ", ".join(FORMATS))
-        if kind == "json_object" and not msg.json_object:
-            raise ValueError("structured_output.json_object must be true")
-        if kind == "choice":
-            return build_grammar(kind, list(msg.choice.choices))
-        return build_grammar(kind, None if kind == "json_object" else getattr(msg, kind))
-
-    def _logit_bias(self, bias) -> tuple[tuple[int, float], ...]:
-        if len(bias) > MAX_LOGIT_BIASES:
-            raise ValueError(f"at most {MAX_LOGIT_BIASES} logit_bias entries, got {len(bias)}")
-        self._check_ids(list(bias), "logit_bias token ids")
-        return tuple(sorted(bias.items()))
-
-    def _check_ids(self, ids: list[int], what: str = "token ids") -> list[int]:
-        vocab = self.target_info.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{what} outside [0, {vocab}): {bad[:5]}")
-        return ids
-
-    def _messages(self, messages) -> list[dict]:
-        """A conversation as the chat template takes it; ValueError with words
-        where the template cannot render it."""
-        self._need_tokenizer("a conversation")
-        if not self.template.available:
-            raise ValueError("the model has no chat template: send the prompt as text or token ids")
-        if not messages:
-            raise ValueError("the conversation has no messages")
-        rendered = []
-        for i, m in enumerate(messages):
-            if not m.role:
-                raise ValueError(f"message {i} has no role")
-            message = {"role": m.role, "content": m.content}
-            if m.tool_calls_json:
-                message["tool_calls"] = _tool_calls(i, m.tool_calls_json)
-            if m.tool_call_id:
-                message["tool_call_id"] = m.tool_call_id
-            if m.name:
-                message["name"] = m.name
-            rendered.append(message)
-        return rendered
-
-    def _need_tokenizer(self, what: str) -> None:
-        if self.tokenizer is None:
-            raise ValueError(f"{what} needs a tokenizer, and the model has none: send token ids")
-
     # --- rpcs ----------------------------------------------------------------------
     @admitted
     @store_unavailable
@@ -278,20 +187,20 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         tenant = await self._tenant(context)
         generation = await self._ready(context)
         try:
-            params = self._params(request.params)
+            params = self.reader.params(request.params)
             messages = None
             kind = request.WhichOneof("prompt")
             if kind == "text":
-                self._need_tokenizer("a text prompt")
+                self.reader.need_tokenizer("a text prompt")
                 prompt = self.tokenizer.encode(request.text)
             elif kind == "messages":
-                messages = self._messages(request.messages.messages)
-                tools = _tools(request.messages.tools_json)
+                messages = self.reader.messages(request.messages.messages)
+                tools = read_tools(request.messages.tools_json)
                 if tools and request.keep_session:
                     raise ValueError("tools are for stateless requests: a session kept for Chat has none")
                 prompt = self.template.first_turn(messages, tools)
             else:
-                prompt = self._check_ids(list(request.token_ids.ids))
+                prompt = self.reader.check_ids(list(request.token_ids.ids))
             if not prompt:
                 raise ValueError("the prompt is empty")
             self._check_room(0, len(prompt), params)
@@ -331,13 +240,13 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         record = await self._load(context, tenant, request.session_id)
         user = None
         try:
-            params = self._params(request.params)
+            params = self.reader.params(request.params)
             if params.echo or params.prompt_logprobs is not None:
                 raise ValueError("echo and prompt_logprobs are Generate's: a Chat turn is not a prompt of its own")
             if request.WhichOneof("turn") == "user_message":
                 if not request.user_message:
                     raise ValueError("the user message is empty")
-                self._need_tokenizer("a text message")
+                self.reader.need_tokenizer("a text message")
                 if not self.template.available:
                     raise ValueError("the model has no chat template: send user_token_ids")
                 user = {"role": "user", "content": request.user_message}
@@ -346,7 +255,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                 else:
                     turn = self.template.first_turn([*record.messages, user])
             else:
-                turn = self._check_ids(list(request.user_token_ids.ids))
+                turn = self.reader.check_ids(list(request.user_token_ids.ids))
                 if not turn:
                     raise ValueError("the new turn is empty")
             self._check_room(len(record.tokens), len(turn), params)
@@ -396,16 +305,16 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         try:
             kind = request.WhichOneof("input")
             if kind == "token_ids":
-                ids = self._check_ids(list(request.token_ids.ids))
+                ids = self.reader.check_ids(list(request.token_ids.ids))
                 if self.tokenizer is None:
                     raise ValueError("the model has no tokenizer: its token ids have no text")
                 return tandem_pb2.TokenizeReply(token_ids=ids, text=self.tokenizer.decode(ids))
             if kind == "messages":
-                messages = self._messages(request.messages.messages)
-                tools = _tools(request.messages.tools_json)
+                messages = self.reader.messages(request.messages.messages)
+                tools = read_tools(request.messages.tools_json)
                 return tandem_pb2.TokenizeReply(token_ids=self.template.first_turn(messages, tools),
                                                 text=self.template.first_turn_text(messages, tools))
-            self._need_tokenizer("a text")
+            self.reader.need_tokenizer("a text")
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             return tandem_pb2.TokenizeReply(token_ids=self.tokenizer.encode(request.text, add_special_tokens=special),
                                             text=request.text)
@@ -535,47 +444,6 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         if self._pairing is not None:
             self._pairing.cancel()
         await asyncio.gather(self.proposer.close(), self.verifier.close(), self.store.close())
-
-
-def _tools(text: str) -> list[dict] | None:
-    """ChatMessages.tools_json, checked: OpenAI's function tools."""
-    if not text:
-        return None
-    try:
-        tools = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"tools_json is not valid JSON: {err}") from None
-    if not isinstance(tools, list):
-        raise ValueError("tools_json must be a JSON list of tools")
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (not isinstance(function, dict) or tool.get("type", "function") != "function"
-                or not isinstance(function.get("name"), str) or not function["name"]):
-            raise ValueError(f"tool {i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
-    return tools or None
-
-
-def _tool_calls(index: int, text: str) -> list[dict]:
-    """An assistant message's tool_calls_json, for the chat template: each
-    call's arguments as an object where they are a JSON object's text (the
-    templates write them out themselves), as vLLM gives them."""
-    try:
-        calls = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"message {index}: tool_calls_json is not valid JSON: {err}") from None
-    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-        raise ValueError(f"message {index}: tool_calls_json must be a JSON list of calls")
-    out = []
-    for call in calls:
-        function = dict(call.get("function") or {})
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                function["arguments"] = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass  # the template gets the text as sent
-        out.append({**call, "function": function})
-    return out
 
 
 def build_server(address: str, config: OrchestratorConfig):

@@ -1,15 +1,12 @@
-"""The `tandem` command line. Flags and environment variables are read here only."""
+"""The `tandem` command line: its commands. Flags and environment variables are read here and in
+tandem/cli_flags.py (the parser) only."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import os
 import sys
-
-from orchestrator import tool_parsers
-from tandem.logprobs import MAX_TOP_LOGPROBS
 
 # Idle OpenMP threads spin about a millisecond before they sleep, unless the
 # environment sets a policy: long enough to bridge the gaps between a forward's
@@ -24,367 +21,7 @@ from tandem.logprobs import MAX_TOP_LOGPROBS
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "30000"
 
-DEFAULT_ORCHESTRATOR = "127.0.0.1:50051"
-DEFAULT_TARGET = "127.0.0.1:50052"
-DEFAULT_DRAFT = "127.0.0.1:50053"
-
-
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
-
-
-def _int_in(low: int, high: int):
-    """An argparse type: an integer in [low, high]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
-        return value
-    return parse
-
-
-def _auto_or(parse):
-    """An argparse type: "auto" (None), or what `parse` takes."""
-    return lambda text: None if text == "auto" else parse(text)
-
-
-INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _add_model_flags(p, default_model: str, default_port: int) -> None:
-    p.add_argument("--model", default=default_model,
-                   help="local directory, hub id, or default-target / default-draft (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="weights and compute dtype; auto = bfloat16 on GPUs; on CPUs with AMX bfloat16 on packed "
-                        "layers; on other CPUs float32 on bf16-held weights (--linear bf16w) where that kernel "
-                        "builds, else on fp16-weight layers where FBGEMM has them (faster than native bf16 without "
-                        "AMX too), else bfloat16 with native bf16, else float32 (see --linear) "
-                        "(default: %(default)s)")
-    p.add_argument("--linear", default="auto", choices=["auto", "native", "packed", "fp16", "bf16w", "bf16dot"],
-                   help="linear kernels (CPU): bf16w = float32 on weights held in bf16 (tandem/bf16w.c, built "
-                        "once with the system C compiler; CPUs with AVX-512 or AVX2), for layers whose weights are "
-                        "bf16 values (others fp16); bf16dot = the same layers with their inputs rounded to bf16, "
-                        "on the CPU's bf16 dot product (tandem/bf16dot.c; AVX512-BF16): a verify of a few tokens "
-                        "costs little more than one, but the output is no longer float32's; fp16 = FBGEMM on "
-                        "weights stored in fp16, float32 only, for layers whose weights convert exactly (others "
-                        "packed); packed = oneDNN with weights reordered at load, float32, or bfloat16 on CPUs with "
-                        "native bf16; native = nn.Linear; "
-                        "auto = bf16w where it builds, else fp16 where it applies, else packed "
-                        "where it applies (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads; 0 = torch's default on a CPU, 1 on a GPU (its host work is kernel launches) "
-                        "(default: %(default)s)")
-    p.add_argument("--inline-compute", default="auto", choices=["auto", "on", "off"],
-                   help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill or a pre-draft) on the "
-                        "server's event loop when the model thread is idle, saving two thread hops a call; "
-                        "auto = on for a CPU model on one torch thread, and for the n-gram drafter (default: %(default)s)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
-    p.add_argument("--cache-mb", type=int, default=4096,
-                   help="KV cache budget for all sessions, MiB; 0 = unbounded (default: %(default)s)")
-    p.add_argument("--session-ttl", type=float, default=3600,
-                   help="drop caches idle this many seconds; 0 = never (default: %(default)s)")
-    _add_telemetry_flags(p)
-
-
-def _add_telemetry_flags(p) -> None:
-    from tandem.telemetry import TRACE_EXPORTERS
-
-    env = os.environ.get("OTEL_TRACES_EXPORTER", "none")
-    p.add_argument("--otel-traces", choices=TRACE_EXPORTERS, default=env if env in TRACE_EXPORTERS else "none",
-                   help="export OpenTelemetry spans: none; console (stderr); otlp (OTLP/HTTP to "
-                        "$OTEL_EXPORTER_OTLP_ENDPOINT, default http://localhost:4318). The sampler follows "
-                        "$OTEL_TRACES_SAMPLER (default: parent-based, always on) "
-                        "(default: $OTEL_TRACES_EXPORTER or %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 = off "
-                        "(default: %(default)s)")
-
-
-def _add_sampling_flags(p) -> None:
-    p.add_argument("--address", default=os.environ.get("TANDEM_ADDRESS", DEFAULT_ORCHESTRATOR),
-                   help="orchestrator address (default: $TANDEM_ADDRESS or %(default)s)")
-    p.add_argument("--tenant", default=None,
-                   help="tenant id sent as x-tandem-tenant (default: none sent; the server's tenant \"default\")")
-    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY") or None,
-                   help="the key of a server run with --api-keys, sent as 'authorization: Bearer KEY' "
-                        "(default: $TANDEM_API_KEY, else none sent)")
-    p.add_argument("--max-tokens", type=_int_in(1, INT32_MAX), default=None,
-                   help="most tokens to generate (server default 128)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default: 1, off)")
-    p.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=None,
-                   help="keep the top-k tokens; 0 = off (default: 0)")
-    p.add_argument("--seed", type=_int_in(0, UINT64_MAX), default=None,
-                   help="seed for reproducible sampling (default: a random one, reported in the stats)")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", type=_int_in(0, INT32_MAX), default=None, metavar="ID",
-                   help="a token id that ends the generation (repeatable; default: none)")
-    p.add_argument("--min-tokens", type=_int_in(0, INT32_MAX), default=None,
-                   help="no end-of-sequence token among the first N generated (default: 0)")
-    p.add_argument("--logit-bias", action="append", type=_bias, default=None, metavar="ID=BIAS",
-                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; default: none)")
-    for name in ("presence", "frequency"):
-        p.add_argument(f"--{name}-penalty", type=float, default=None,
-                       help=f"OpenAI's {name}_penalty, in [-2, 2] (default: 0)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="divide the positive logits of tokens already in the sequence by this, > 0 (default: 1, off)")
-    p.add_argument("--min-p", type=float, default=None,
-                   help="sampling: drop tokens less likely than this times the likeliest (default: 0, off)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="generate past end-of-sequence tokens, to --max-tokens (for benchmarks)")
-    p.add_argument("--k", type=_int_in(0, INT32_MAX), default=None,
-                   help="draft tokens per round (default: the server's policy)")
-    p.add_argument("--pipeline", choices=["on", "off"], default=None, help="override the server's pipelining")
-    p.add_argument("--logprobs", type=_int_in(0, MAX_TOP_LOGPROBS), default=None, metavar="N",
-                   help="report each token's log probability under the target model, and those of the N most "
-                        f"likely tokens at its position (0..{MAX_TOP_LOGPROBS}; default: none)")
-    fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json-schema", default=None, metavar="SCHEMA",
-                     help="structured output: the completion is JSON that this schema accepts (the schema's JSON "
-                          "text, or @FILE to read it from a file)")
-    fmt.add_argument("--json-object", action="store_true", help="structured output: the completion is a JSON object")
-    fmt.add_argument("--regex", default=None, help="structured output: the completion matches this regular expression")
-    fmt.add_argument("--choice", action="append", default=None,
-                     help="structured output: the completion is one of these strings (repeatable)")
-    fmt.add_argument("--grammar", default=None, metavar="LARK",
-                     help="structured output: the completion follows this Lark grammar (llguidance's dialect; "
-                          "@FILE to read it from a file)")
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="deadline of each request, seconds (default: none; a server that stops answering "
-                        "is still detected, by keepalive pings, within about a minute)")
-
-
-def _bias(text: str) -> tuple[int, float]:
-    """--logit-bias ID=BIAS."""
-    token, _, bias = text.partition("=")
-    try:
-        pair = int(token), float(bias)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ID=BIAS, such as 151643=-100, got {text!r}") from None
-    if pair[0] < 0 or not -100 <= pair[1] <= 100:
-        raise argparse.ArgumentTypeError(f"a token id >= 0 and a bias in [-100, 100], got {text!r}")
-    return pair
-
-
-def _sampling_kwargs(args) -> dict:
-    return dict(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
-        pipeline=_switch(args.pipeline),
-        logprobs=True if args.logprobs is not None else None, top_logprobs=args.logprobs,
-        ignore_eos=args.ignore_eos or None, stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
-        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty, min_p=args.min_p,
-        structured_output=_structured_output(args),
-    )
-
-
-def _from_file(value: str) -> str:
-    """A flag's value, or the text of the file that @FILE names."""
-    if value.startswith("@"):
-        with open(value[1:], encoding="utf-8") as f:
-            return f.read()
-    return value
-
-
-def _structured_output(args) -> dict | None:
-    if args.json_schema is not None:
-        return {"json_schema": _from_file(args.json_schema)}
-    if args.json_object:
-        return {"json_object": True}
-    if args.regex is not None:
-        return {"regex": args.regex}
-    if args.choice:
-        return {"choice": {"choices": args.choice}}
-    if args.grammar is not None:
-        return {"lark": _from_file(args.grammar)}
-    return None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Distributed, pipelined, lossless speculative decoding.")
-    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                        default=os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper(),
-                        help="logging level (default: $TANDEM_LOG_LEVEL or INFO)")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="start a service").add_subparsers(dest="role", required=True)
-    target = serve.add_parser("target", help="the target model service")
-    _add_model_flags(target, "default-target", 50052)
-    target.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
-                        help="on a GPU, run a verify of up to 16 tokens by replaying a CUDA graph of the lean forward "
-                             "(tandem/lean.py: a plain loop over the layers on a preallocated KV cache; Qwen2, Llama, "
-                             "Mistral), captured once per block length and cache capacity; off = Hugging Face's "
-                             "forward; auto = on for a supported model on a GPU, off on a CPU (default: %(default)s)")
-    target.add_argument("--batch-verifies", type=_int_in(1, 256), default=1, metavar="N",
-                        help="verify calls of up to N sessions that queue while a verify runs go through one "
-                             "forward together (the weights read once for all): more tokens/s under concurrent "
-                             "requests, no wait for a lone one. Needs the lean forward (Qwen2, Llama, Mistral), "
-                             "which the target then runs on a CPU too; 1 = off (default: %(default)s)")
-    draft = serve.add_parser("draft", help="the draft service")
-    _add_model_flags(draft, "default-draft", 50053)
-    draft.add_argument("--backend", default="model", choices=["model", "ngram", "ngram+model"],
-                       help="draft backend: a model, prompt lookup (n-gram), or n-gram first then the model "
-                            "(default: %(default)s)")
-    draft.add_argument("--vocab-subset", type=int, default=0,
-                       help="score only the N most frequent tokens in the draft head (FR-Spec); 0 = full vocabulary "
-                            "(default: %(default)s; the demo, the benchmarks and the k8s CPU overlay use 32768)")
-    draft.add_argument("--ngram-max", type=int, default=4,
-                       help="longest n-gram matched by prompt lookup (default: %(default)s)")
-    draft.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "auto"],
-                       help="quantize the draft's linear layers (CPU only): int8 = dynamic int8, computes in "
-                            "float32, and its per-forward activation scales make a seeded sampled run differ "
-                            "between --pipeline on and off (greedy output does not); int4 = 4-bit weights in "
-                            "groups of 32, on the kernel --int4-kernel names; auto = int4 on a CPU with AVX512-VNNI, "
-                            "AVX2 or AMX, else int8 "
-                            "(default: %(default)s)")
-    draft.add_argument("--int4-kernel", default="auto", choices=["auto", "i4w", "aten"],
-                       help="the kernel of --quantize int4: i4w = tandem/i4w.c (AVX512-VNNI or AVX2, int8 "
-                            "activations, the draft's layers in one C call), aten = aten's CPU int4 kernel (bf16 "
-                            "activations, fast only with native bf16); auto = i4w wherever it runs, else aten "
-                            "(default: %(default)s)")
-    draft.add_argument("--min-confidence", type=float, default=0.0,
-                       help="greedy: end a draft block after a token the draft gives a probability below this "
-                            "(Hugging Face's assistant_confidence_threshold); 0 = never (default: %(default)s)")
-    draft.add_argument("--lean-step", default="auto", choices=["auto", "on", "aten", "off"],
-                       help="run the draft model's forward as a plain loop over its layers on a preallocated KV "
-                            "cache instead of Hugging Face's forward (Qwen2, Llama, Mistral): same function, "
-                            "less Python per step; auto = on when the model is supported: on a CPU its layers in one C call "
-                            "when every projection is int4 on tandem/i4w.c, on a GPU a feed of up to 16 "
-                            "tokens (a step, or the tokens a verify accepted) replays a CUDA graph; aten = the lean "
-                            "forward without either (default: %(default)s)")
-    draft.add_argument("--batch-drafts", type=_int_in(1, 256), default=1, metavar="N",
-                       help="greedy Propose calls of up to N sessions that queue while a draft runs are drafted in "
-                            "lockstep, each step one forward for all (the weights read once): more tokens/s under "
-                            "concurrent requests, no wait for a lone one. Sampled calls run alone (a seed's draws "
-                            "stay bit-exact). Needs the model backend and the lean step; 1 = off (default: %(default)s)")
-    orch = serve.add_parser("orchestrator", help="the public API server")
-    orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")
-    orch.add_argument("--http-port", type=_int_in(0, 65535), default=None,
-                      help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                           "/v1/models, /health) on this port of --host; 0 picks one (default: off)")
-    orch.add_argument("--served-model-name", default="",
-                      help="the model id the HTTP API lists and requests name (default: the target model's id)")
-    orch.add_argument("--tool-call-parser", choices=tool_parsers.PARSERS, default=None,
-                      help="the HTTP API's tool_choice 'auto' (OpenAI's default with tools): parse the model's tool "
-                           "calls out of its answers in this format, as vLLM's parser of the name does (hermes: "
-                           "Qwen2.5's and Hermes' <tool_call> blocks; llama3_json: Llama 3.1/3.2's JSON calls; "
-                           "mistral: Mistral's [TOOL_CALLS] list; pythonic: Llama 3.2/4's [f(x=1)] list) "
-                           "(default: none, and 'auto' is refused)")
-    orch.add_argument("--draft", default=DEFAULT_DRAFT, help="draft service address (default: %(default)s)")
-    orch.add_argument("--target", default=DEFAULT_TARGET, help="target service address (default: %(default)s)")
-    orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-                      help="Redis for sessions (default: $REDIS_URL or %(default)s)")
-    orch.add_argument("--tokenizer", default="", help="tokenizer path or hub id; default the target's; 'none' = ids only")
-    orch.add_argument("--k", type=int, default=4,
-                      help="draft tokens per round, and the adaptive start (default: %(default)s)")
-    orch.add_argument("--k-min", type=int, default=1, help="adaptive k lower bound (default: %(default)s)")
-    orch.add_argument("--k-max", type=int, default=8, help="adaptive k upper bound (default: %(default)s)")
-    orch.add_argument("--adaptive-k", choices=["on", "off"], default="on",
-                      help="choose k per session from measurements (default: %(default)s)")
-    orch.add_argument("--pipeline", choices=["on", "off", "auto"], default="on",
-                      help="draft the next block during verification; auto: per request, whichever of on and off "
-                           "the step costs measured so far expect to be faster here (a verify runs slower beside a "
-                           "pre-draft on some CPUs); a request's own pipeline field wins (default: %(default)s)")
-    orch.add_argument("--prefill-overlap", choices=["auto", "on", "off"], default="auto",
-                      help="on: a turn's first round: the target prefills the prompt and decodes one token while "
-                           "the draft prefills the prompt beside it (pipelined: and pre-drafts after it); off: the "
-                           "draft prefills and drafts first, then the target verifies its block with the prompt; "
-                           "auto: on, unless the services run on one machine's CPUs with more torch threads than "
-                           "CPUs between them (a seeded sampled request: on) (default: %(default)s)")
-    orch.add_argument("--relay", choices=["on", "off"], default="off",
-                      help="each verify asks the target to send the draft the call that drafts the next block "
-                           "the moment its verdict is known, so that after a rejection the draft starts one hop "
-                           "and the orchestrator's work earlier; the target dials the draft at --relay-address. "
-                           "Off by default: on two pinned cores it cut the overhead of a round after a rejection "
-                           "by 0.35-1.25 ms, but tokens/s was not shown to rise (README) (default: %(default)s)")
-    orch.add_argument("--tree-width", type=_auto_or(_int_in(0, 16)), default="auto", metavar="{auto,0..16}",
-                      help="greedy requests: verify the draft's runner-up for each of a block's first N tokens "
-                           "beside the block, in the same forward (a token tree one level off it); where the "
-                           "target's token at the first rejection is that runner-up, the round commits one token "
-                           "more. Costs the target N more rows a verify, so it pays where a verify's cost barely "
-                           "grows with its rows; auto = the width the target suggests: 4 for bf16 on packed layers "
-                           "with AMX, else 0 (off); a target on --linear bf16dot, or on a GPU with --graphs, "
-                           "verifies the block alone (default: %(default)s)")
-    orch.add_argument("--relay-address", default="",
-                      help="the draft service's address as the target reaches it (default: --draft)")
-    orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",
-                      help="model calls on one long-lived stream per service, or one rpc each (default: %(default)s)")
-    orch.add_argument("--service-timeout", type=float, default=120.0,
-                      help="deadline of each call to a model service, seconds; a prompt's prefill must fit in it "
-                           "(default: %(default)s)")
-    orch.add_argument("--draft-fallback", choices=["on", "off"], default="on",
-                      help="while the draft service is unavailable, decode on the target alone (same output, "
-                           "one token a round) and call the draft again after a backoff; off: such requests fail "
-                           "with UNAVAILABLE (default: %(default)s)")
-    orch.add_argument("--max-tokens", type=int, default=128,
-                      help="default max_tokens of a request (default: %(default)s)")
-    orch.add_argument("--max-concurrent-requests", type=int, default=128,
-                      help="Generate and Chat requests served at once; more are refused with RESOURCE_EXHAUSTED "
-                           "at once; 0 = no limit (default: %(default)s)")
-    orch.add_argument("--session-ttl", type=int, default=3600,
-                      help="idle session lifetime, seconds (default: %(default)s)")
-    orch.add_argument("--prefix-cache", type=_int_in(0, 1_000_000), default=32, metavar="N",
-                      help="a Generate without keep_session (and every HTTP request) ends by parking its session, "
-                           "caches and all, instead of deleting it; a later one of the same tenant whose prompt "
-                           "starts with the same tokens takes it over (the next turn of a conversation resent "
-                           "whole, say), or starts from a copy of its caches of a shorter shared beginning (a "
-                           "system prompt), and prefills only the rest (usage: cached_prompt_tokens). Keeps at "
-                           "most N parked sessions, the oldest dropped first; 0 = off (default: %(default)s)")
-    orch.add_argument("--prefix-cache-ttl", type=_int_in(1, 10_000_000), default=600, metavar="SECONDS",
-                      help="how long a session stays parked for --prefix-cache (default: %(default)s)")
-    orch.add_argument("--tenant-max-requests", type=_int_in(0, 1_000_000), default=0, metavar="N",
-                      help="Generate and Chat requests each tenant may run at once, counted in Redis across "
-                           "every orchestrator replica; more are refused with RESOURCE_EXHAUSTED (HTTP 429); "
-                           "0 = no limit (default: %(default)s)")
-    orch.add_argument("--tenant-tokens-per-minute", type=_int_in(0, 10**12), default=0, metavar="N",
-                      help="tokens each tenant may commit a minute (prompts as prefilled, and generated tokens; "
-                           "a prefix reused by --prefix-cache is free), across replicas; a request whose tenant "
-                           "is past it is refused with RESOURCE_EXHAUSTED and the seconds to wait, one admitted "
-                           "runs to its end; 0 = no limit (default: %(default)s)")
-    orch.add_argument("--api-keys", default=os.environ.get("TANDEM_API_KEYS_FILE", ""), metavar="FILE",
-                      help="require an API key on every call that touches sessions (gRPC metadata "
-                           "'authorization: Bearer KEY'; HTTP: the Authorization header): FILE has one "
-                           "'TENANT KEY' line a key, and the key decides the caller's tenant. Without it the "
-                           "x-tandem-tenant metadata is trusted as sent (default: $TANDEM_API_KEYS_FILE, else none)")
-    orch.add_argument("--wait", type=float, default=600,
-                      help="seconds to wait for the model services at start; with --draft-fallback on, at most "
-                           "30 s for the draft once the target answers (default: %(default)s)")
-    _add_telemetry_flags(orch)
-
-    gen = sub.add_parser("generate", help="stream a completion of a prompt")
-    gen.add_argument("prompt", nargs="?", default=None, help="prompt text")
-    gen.add_argument("--prompt-ids", type=_ids, default=None, help="prompt as comma-separated token ids")
-    gen.add_argument("--prompt-logprobs", type=_int_in(0, MAX_TOP_LOGPROBS), default=None, metavar="N",
-                     help="also score the prompt: each of its tokens' log probability after the first, and the "
-                          f"N likeliest at each position (0..{MAX_TOP_LOGPROBS}; default: none)")
-    _add_sampling_flags(gen)
-
-    chat = sub.add_parser("chat", help="interactive multi-turn chat")
-    chat.add_argument("--system", default="", help="system prompt (default: none)")
-    _add_sampling_flags(chat)
-
-    models = sub.add_parser("models", help="fetch and convert the default model pair")
-    models.add_argument("--which", choices=["target", "draft", "both"], default="both",
-                        help="which of the default pair to fetch and convert (default: %(default)s)")
-    return parser
-
-
-def _switch(value: str | None) -> bool | None:
-    """An on|off|auto flag as the configs take it: True, False, None (auto or unset)."""
-    return {"on": True, "off": False}.get(value)
+from tandem.cli_flags import build_parser, sampling_kwargs, switch  # noqa: E402 (after the OpenMP setting)
 
 
 def _serve(args) -> None:
@@ -432,7 +69,7 @@ def _serve(args) -> None:
                 draft_address=args.draft, target_address=args.target, redis_url=args.redis_url,
                 tokenizer=args.tokenizer,
                 policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
-                pipeline=_switch(args.pipeline), prefill_overlap=_switch(args.prefill_overlap),
+                pipeline=switch(args.pipeline), prefill_overlap=switch(args.prefill_overlap),
                 default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
@@ -553,7 +190,7 @@ def _generate(args) -> int:
         return 2
     with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key) as client:
         stream = client.generate_stream(args.prompt, args.prompt_ids, prompt_logprobs=args.prompt_logprobs,
-                                        **_sampling_kwargs(args))
+                                        **sampling_kwargs(args))
         show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
         result = collect(stream, on_delta=show)
     _print_result(result, args)
@@ -577,7 +214,7 @@ def _chat(args) -> int:
                 if not args.json:
                     print("assistant> ", end="", flush=True)
                 show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
-                result = collect(client.chat_stream(session, message, **_sampling_kwargs(args)), on_delta=show)
+                result = collect(client.chat_stream(session, message, **sampling_kwargs(args)), on_delta=show)
                 _print_result(result, args)
         finally:
             client.delete_session(session)

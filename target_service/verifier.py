@@ -55,7 +55,6 @@ class Verifier:
     def verify(self, call: VerifyCall) -> VerifyOutcome:
         start = time.perf_counter()
         cache, cropped = self.store.checkout(call.session_id, call.prefix_len, call.prefix_fp)
-        k = len(call.draft_tokens)
         first_draft_pos = len(cache) + len(call.new_tokens)  # absolute position of draft token 0
         cache.append(call.new_tokens + call.draft_tokens)
         tree = self._as_tree(call)

@@ -42,7 +42,7 @@ def test_every_flag_states_its_default(command):
 
 
 def test_sampling_flags_become_the_request_parameters():
-    from tandem.cli import _sampling_kwargs
+    from tandem.cli_flags import sampling_kwargs as _sampling_kwargs
 
     args = build_parser().parse_args(["generate", "x", "--logit-bias", "5=-100", "--logit-bias", "7=2.5",
                                       "--min-tokens", "3", "--stop-token-id", "9", "--ignore-eos", "--logprobs", "2",
@@ -62,7 +62,7 @@ def test_sampling_flags_become_the_request_parameters():
 
 
 def test_structured_output_flags_become_one_format(tmp_path):
-    from tandem.cli import _sampling_kwargs
+    from tandem.cli_flags import sampling_kwargs as _sampling_kwargs
     from tandem.client import params_message
 
     schema = tmp_path / "schema.json"

@@ -8,7 +8,8 @@ import shutil
 import grpc
 import pytest
 
-from orchestrator.openai_api import ApiError, chat_call, completion_call
+from orchestrator.openai_api import chat_call, completion_call
+from orchestrator.openai_params import ApiError
 from tests.conftest import Cluster, reference_greedy
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -429,7 +429,6 @@ def test_a_named_tool_choice_answers_the_call_the_target_alone_makes_under_its_s
 
 
 def test_a_required_tool_choice_answers_a_list_of_calls(http, cluster):
-    from tandem.structured import build_grammar  # noqa: F401 (the schema below must compile)
     from tests.test_http_api import client
 
     from orchestrator.openai_api import _calls_schema

@@ -1,0 +1,288 @@
+"""Generate's events as OpenAI's answers: a whole response, or the chunks of
+a streamed one, with usage, log probabilities and tool calls. Pure
+functions (orchestrator/openai_api.py reads the requests)."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from google.protobuf.json_format import MessageToDict
+
+from orchestrator import tool_parsers
+from orchestrator.openai_api import Call
+from tandem.v1 import tandem_pb2
+
+FINISH_REASONS = {  # Tandem's finish reason -> OpenAI's
+    tandem_pb2.FINISH_REASON_EOS: "stop",
+    tandem_pb2.FINISH_REASON_STOP: "stop",
+    tandem_pb2.FINISH_REASON_LENGTH: "length",
+    tandem_pb2.FINISH_REASON_CONTEXT: "length",  # the context window is full
+}
+
+
+def tool_calls(call: Call, text: str) -> list[dict] | None:
+    """The answer's text as OpenAI's tool_calls; None where it is not a
+    complete call (cut by max_tokens)."""
+    if call.tool_name is not None:
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [tool_parsers.openai_call(call.tool_name, text)]
+    try:
+        return [tool_parsers.openai_call(c["name"], c["parameters"]) for c in json.loads(text)]
+    except (json.JSONDecodeError, KeyError, TypeError):  # a list cut short (by a stop string, say)
+        return None
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(call: Call, finals: list[tandem_pb2.Completion]) -> dict:
+    """The usage of a request's choices: each prompt once, the completions'
+    tokens summed (none when the choices hold the prompt alone), and of each
+    prompt the tokens that every one of its choices found cached."""
+    per_prompt = [finals[p * call.n: (p + 1) * call.n] for p in range(len(call.prompts))]
+    prompt = sum(choices[0].usage.prompt_tokens for choices in per_prompt)
+    completion = 0 if call.prompt_only else sum(final.usage.completion_tokens for final in finals)
+    cached = sum(min(f.usage.cached_prompt_tokens for f in choices) for choices in per_prompt)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def speculation(final: tandem_pb2.Completion) -> dict:
+    """The request's speculation stats (rounds, accepted tokens, k, ...), as
+    the extension field "tandem" of a response."""
+    return MessageToDict(final.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+LOWEST_LOGPROB = -9999.0  # in place of -inf, which JSON cannot carry (as vLLM does)
+
+
+def _finite(value: float) -> float:
+    return max(value, LOWEST_LOGPROB)
+
+
+def chat_logprobs(logprobs) -> dict:
+    """A chat choice's "logprobs" for TokenLogprobs: each token with its
+    UTF-8 bytes and its most likely alternatives."""
+    def entry(lp) -> dict:
+        return {"token": lp.token, "logprob": _finite(lp.logprob), "bytes": list(lp.token.encode())}
+
+    return {"content": [{**entry(lp), "top_logprobs": [entry(top) for top in lp.top_logprobs]} for lp in logprobs],
+            "refusal": None}
+
+
+def completion_logprobs(logprobs, offset: int = 0) -> dict:
+    """A completion choice's "logprobs": the tokens, their log probabilities,
+    for each a map of the most likely tokens (and the token itself) to theirs,
+    and where each token starts in the completion's text, from `offset`."""
+    answer = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in logprobs:
+        top = None
+        if lp.logprob is not None:  # None: a prompt's first token
+            top = {alt.token: _finite(alt.logprob) for alt in lp.top_logprobs}
+            top.setdefault(lp.token, _finite(lp.logprob))
+        answer["tokens"].append(lp.token)
+        answer["token_logprobs"].append(None if lp.logprob is None else _finite(lp.logprob))
+        answer["top_logprobs"].append(top)
+        answer["text_offset"].append(offset)
+        offset += len(lp.token)
+    return answer
+
+
+@dataclass(frozen=True)
+class _Unscored:
+    """A prompt's first token: no position predicts it."""
+
+    token: str
+    logprob: None = None
+    top_logprobs: tuple = ()
+
+
+def _prompt_logprobs(prompt: tandem_pb2.PromptEcho) -> list:
+    return [_Unscored(prompt.first_token), *prompt.logprobs]
+
+
+def _echo_text(call: Call, index: int, prompt: tandem_pb2.PromptEcho) -> str:
+    """Choice `index`'s prompt as it comes back: the text sent, or the
+    server's decoding of the token ids sent."""
+    sent = call.echo[index // call.n]
+    return sent if sent is not None else prompt.text
+
+
+def _choice_logprobs(call: Call, logprobs, offset: int = 0) -> dict | None:
+    if not call.request.params.logprobs:
+        return None
+    return chat_logprobs(logprobs) if call.chat else completion_logprobs(logprobs, offset)
+
+
+@dataclass
+class Answer:
+    """One choice's generation, collected from its events."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprobs, when the request asked
+    final: tandem_pb2.Completion | None = None
+    prompt: tandem_pb2.PromptEcho | None = None  # echo
+
+    def add(self, delta: tandem_pb2.TokenDelta) -> None:
+        self.text += delta.text
+        self.ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.HasField("prompt"):
+            self.prompt = delta.prompt
+
+
+def response(call: Call, model: str, answers: list[Answer]) -> dict:
+    """The whole answer of a request that did not stream. "tandem": the
+    speculation stats; with n > 1, a list of each choice's."""
+    choices = []
+    for index, answer in enumerate(answers):
+        text, ids, logprobs = answer.text, answer.ids, answer.logprobs
+        if call.prompt_only:
+            text, ids, logprobs = "", [], []
+        if call.echo:
+            text = _echo_text(call, index, answer.prompt) + text
+            logprobs = _prompt_logprobs(answer.prompt) + list(logprobs)
+        choice = {"index": index, "finish_reason": _finish_reason(call, answer.final),
+                  "logprobs": _choice_logprobs(call, logprobs)}
+        if call.chat:
+            content, calls = text, None
+            if call.tool_name is not None or call.tools_required:
+                calls = tool_calls(call, text)
+                content = None if calls is not None else text
+            elif call.tool_parser is not None:
+                content, calls = tool_parsers.parse(call.tool_parser, text)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls is not None:
+                choice["message"]["tool_calls"] = calls
+                choice["finish_reason"] = _tools_finish_reason(call, choice["finish_reason"])
+        else:
+            choice["text"] = text
+        if call.return_token_ids:
+            choice["token_ids"] = ids
+        choices.append(choice)
+    finals = [answer.final for answer in answers]
+    stats = [speculation(final) for final in finals]
+    return {"id": new_id(call.chat), "object": "chat.completion" if call.chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage(call, finals),
+            "tandem": stats[0] if call.choices == 1 else stats}
+
+
+def _finish_reason(call: Call, final: tandem_pb2.Completion) -> str:
+    return "length" if call.prompt_only else FINISH_REASONS.get(final.finish_reason, "stop")
+
+
+def _tools_finish_reason(call: Call, reason: str) -> str:
+    """A complete answer that calls tools: "tool_calls" where the model chose
+    them ("required", "auto"), "stop" where tool_choice named the function, as
+    OpenAI answers a forced call."""
+    return "tool_calls" if (call.tools_required or call.tool_parser) and reason == "stop" else reason
+
+
+class Chunks:
+    """The chunks of one streamed answer: for each choice (its index), deltas
+    as rounds commit them, then one with its finish reason and its stats;
+    after every choice's, the usage if asked."""
+
+    def __init__(self, call: Call, model: str):
+        self.call, self.model = call, model
+        self.id, self.created = new_id(call.chat), int(time.time())
+        self._role_sent: set[int] = set()  # choices whose first chunk went out
+        self._calls: dict[int, str] = {}  # tool_choice "required": each choice's text, sent as calls at its end
+        self._call_ids: dict[int, str] = {}  # a named tool_choice: each choice's call id
+        self._said: dict[int, str] = {}  # tool_choice "auto": each choice's text so far
+        self._sent: dict[int, int] = {}  # and how much of it went out as content
+        self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
+
+    def _chunk(self, choices: list[dict], **more) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.call.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **more}
+
+    def _choice(self, index: int, text: str | None, ids: list[int] | None, finish_reason: str | None,
+                logprobs=None) -> dict:
+        choice = {"index": index, "finish_reason": finish_reason, "logprobs": None}
+        if logprobs is not None:
+            choice["logprobs"] = _choice_logprobs(self.call, logprobs, self._offset[index])
+            self._offset[index] += sum(len(lp.token) for lp in logprobs)
+        if self.call.chat:
+            delta = {}
+            if index not in self._role_sent:
+                delta["role"] = "assistant"
+                self._role_sent.add(index)
+            if text is not None and self.call.tool_name is not None and finish_reason is None:
+                # A named tool_choice: the text is the call's arguments, streamed as they come.
+                if index not in self._call_ids:
+                    self._call_ids[index] = tool_parsers.call_id()
+                    delta["tool_calls"] = [{"index": 0, "id": self._call_ids[index], "type": "function",
+                                            "function": {"name": self.call.tool_name, "arguments": text}}]
+                else:
+                    delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
+            elif text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        if self.call.return_token_ids and ids is not None:
+            choice["token_ids"] = ids
+        return choice
+
+    def delta(self, index: int, delta: tandem_pb2.TokenDelta) -> list[dict]:
+        """The chunks of a delta of choice `index`: with echo, the prompt's
+        first (it comes with the choice's first delta)."""
+        chunks = []
+        if self.call.echo and delta.HasField("prompt"):
+            chunks.append(self._chunk([self._choice(index, _echo_text(self.call, index, delta.prompt), [], None,
+                                                    _prompt_logprobs(delta.prompt))]))
+        if self.call.chat and self.call.tools_required:  # the calls go out whole, once the list is complete
+            self._calls[index] = self._calls.get(index, "") + delta.text
+            return chunks
+        if self.call.chat and self.call.tool_parser is not None:  # content up to a call's opening tag
+            said = self._said[index] = self._said.get(index, "") + delta.text
+            sent, ready = self._sent.get(index, 0), tool_parsers.sendable(self.call.tool_parser, said)
+            if ready > sent:
+                self._sent[index] = ready
+                chunks.append(self._chunk([self._choice(index, said[sent:ready], list(delta.token_ids), None,
+                                                        delta.logprobs)]))
+            return chunks
+        if not self.call.prompt_only:
+            chunks.append(self._chunk([self._choice(index, delta.text, list(delta.token_ids), None, delta.logprobs)]))
+        return chunks
+
+    def final(self, index: int, final: tandem_pb2.Completion) -> list[dict]:
+        """The choice's last chunks: with tool_choice "required", its calls (or,
+        cut short, its text), then the one with the finish reason and stats."""
+        reason = _finish_reason(self.call, final)
+        chunks = []
+        if self.call.chat and self.call.tools_required:
+            text = self._calls.pop(index, "")
+            calls = tool_calls(self.call, text)
+            choice = self._choice(index, None if calls is not None else text, None, None)
+            if calls is not None:
+                choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                reason = _tools_finish_reason(self.call, reason)
+            chunks.append(self._chunk([choice]))
+        elif self.call.tool_name is not None and reason == "stop":
+            reason = _tools_finish_reason(self.call, reason)
+        elif self.call.chat and self.call.tool_parser is not None:
+            said, sent = self._said.pop(index, ""), self._sent.pop(index, 0)
+            _, calls = tool_parsers.parse(self.call.tool_parser, said)
+            if calls is not None:
+                choice = self._choice(index, None, None, None)
+                choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                chunks.append(self._chunk([choice]))
+                reason = _tools_finish_reason(self.call, reason)
+            elif len(said) > sent:  # what was held back: a tag that never became a call
+                chunks.append(self._chunk([self._choice(index, said[sent:], None, None)]))
+        closing = self._choice(index, None if self.call.tool_name is not None else "" if self.call.chat else None,
+                               [], reason)
+        return [*chunks, self._chunk([closing], tandem=speculation(final))]
+
+    def usage(self, finals: list[tandem_pb2.Completion]) -> dict:
+        """The last chunk, when the request asked (stream_options.include_usage)."""
+        return self._chunk([], usage=usage(self.call, finals))

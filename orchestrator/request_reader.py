@@ -1,0 +1,157 @@
+"""The Tandem API's request messages read into what Generation takes, checked
+against the paired target model: its vocabulary, its tokenizer and chat
+template, its end-of-sequence tokens. Every check fails with a ValueError
+whose words the orchestrator sends back as INVALID_ARGUMENT."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from orchestrator.generation import RequestParams
+from orchestrator.text import ChatTemplate
+from tandem.sampling import MAX_LOGIT_BIASES, SamplingParams
+from tandem.structured import FORMATS, build_grammar
+from tandem.v1 import common_pb2, tandem_pb2
+
+
+@dataclass(frozen=True)
+class RequestReader:
+    """Reads requests for one pairing: `target` is the target service's
+    ModelInfo, `tokenizer` None where there is none (token ids only)."""
+
+    target: common_pb2.ModelInfo
+    tokenizer: object | None
+    template: ChatTemplate
+    default_max_tokens: int
+
+    def params(self, msg: tandem_pb2.GenerationParams) -> RequestParams:
+        seed = msg.seed if msg.HasField("seed") else random.getrandbits(63)
+        sampling = SamplingParams(
+            temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            top_k=msg.top_k if msg.HasField("top_k") else 0,
+            seed=seed,
+            logit_bias=self._logit_bias(msg.logit_bias),
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            min_p=msg.min_p,
+        )
+        if msg.stop:
+            self.need_tokenizer("a stop string")
+        grammar = ""
+        if msg.HasField("structured_output"):
+            self.need_tokenizer("structured output")
+            grammar = self._grammar(msg.structured_output)
+            if not self.target.eos_token_ids and not msg.stop_token_ids:
+                raise ValueError("structured output needs an end-of-sequence token to end a complete output, "
+                                 "and the model has none: give stop_token_ids")
+        if msg.HasField("top_logprobs") and not msg.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
+        return RequestParams(
+            sampling=sampling,
+            max_tokens=msg.max_tokens if msg.HasField("max_tokens") else self.default_max_tokens,
+            stop=tuple(msg.stop),
+            k=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else 0,
+            pipeline=msg.pipeline if msg.HasField("pipeline") else None,
+            seeded=msg.HasField("seed"),
+            logprobs=(msg.top_logprobs if msg.HasField("top_logprobs") else 0) if msg.logprobs else None,
+            ignore_eos=msg.ignore_eos,
+            echo=msg.echo,
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+            min_tokens=msg.min_tokens,
+            stop_token_ids=frozenset(self.check_ids(list(msg.stop_token_ids), "stop_token_ids")),
+            grammar=grammar,
+        )
+
+    @staticmethod
+    def _grammar(msg: tandem_pb2.StructuredOutput) -> str:
+        kind = msg.WhichOneof("format")
+        if kind is None:
+            raise ValueError("structured_output names no format: one of " + ", ".join(FORMATS))
+        if kind == "json_object" and not msg.json_object:
+            raise ValueError("structured_output.json_object must be true")
+        if kind == "choice":
+            return build_grammar(kind, list(msg.choice.choices))
+        return build_grammar(kind, None if kind == "json_object" else getattr(msg, kind))
+
+    def _logit_bias(self, bias) -> tuple[tuple[int, float], ...]:
+        if len(bias) > MAX_LOGIT_BIASES:
+            raise ValueError(f"at most {MAX_LOGIT_BIASES} logit_bias entries, got {len(bias)}")
+        self.check_ids(list(bias), "logit_bias token ids")
+        return tuple(sorted(bias.items()))
+
+    def check_ids(self, ids: list[int], what: str = "token ids") -> list[int]:
+        vocab = self.target.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} outside [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def messages(self, messages) -> list[dict]:
+        """A conversation as the chat template takes it; ValueError with words
+        where the template cannot render it."""
+        self.need_tokenizer("a conversation")
+        if not self.template.available:
+            raise ValueError("the model has no chat template: send the prompt as text or token ids")
+        if not messages:
+            raise ValueError("the conversation has no messages")
+        rendered = []
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise ValueError(f"message {i} has no role")
+            message = {"role": m.role, "content": m.content}
+            if m.tool_calls_json:
+                message["tool_calls"] = _template_calls(i, m.tool_calls_json)
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name:
+                message["name"] = m.name
+            rendered.append(message)
+        return rendered
+
+    def need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, and the model has none: send token ids")
+
+
+def read_tools(text: str) -> list[dict] | None:
+    """ChatMessages.tools_json, checked: OpenAI's function tools."""
+    if not text:
+        return None
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"tools_json is not valid JSON: {err}") from None
+    if not isinstance(tools, list):
+        raise ValueError("tools_json must be a JSON list of tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(function, dict) or tool.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise ValueError(f"tool {i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    return tools or None
+
+
+def _template_calls(index: int, text: str) -> list[dict]:
+    """An assistant message's tool_calls_json, for the chat template: each
+    call's arguments as an object where they are a JSON object's text (the
+    templates write them out themselves), as vLLM gives them."""
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"message {index}: tool_calls_json is not valid JSON: {err}") from None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise ValueError(f"message {index}: tool_calls_json must be a JSON list of calls")
+    out = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # the template gets the text as sent
+        out.append({**call, "function": function})
+    return out
