@@ -22,19 +22,22 @@ FINISH_REASONS = {  # Tandem's finish reason -> OpenAI's
 }
 
 
-def tool_calls(call: Call, text: str) -> list[dict] | None:
-    """The answer's text as OpenAI's tool_calls; None where it is not a
-    complete call (cut by max_tokens)."""
-    if call.tool_name is not None:
-        try:
-            json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        return [tool_parsers.openai_call(call.tool_name, text)]
+def _named_call(call: Call, text: str) -> list[dict] | None:
+    """A named tool_choice's answer, its function's arguments, as OpenAI's
+    tool_calls; None where they are not complete (cut by max_tokens)."""
     try:
-        return [tool_parsers.openai_call(c["name"], c["parameters"]) for c in json.loads(text)]
-    except (json.JSONDecodeError, KeyError, TypeError):  # a list cut short (by a stop string, say)
+        json.loads(text)
+    except json.JSONDecodeError:
         return None
+    return [tool_parsers.openai_call(call.tool_name, text)]
+
+
+def _required_calls(text: str) -> tuple[str | None, list[dict] | None]:
+    """tool_choice "required"'s answer: (its content, its tool_calls). A whole
+    list is calls alone; one cut short (by max_tokens, a stop string) is the
+    calls of its complete objects, and the text after them as content."""
+    calls, end, closed = tool_parsers.listed_calls(text)
+    return (None if closed else text[end:]), (calls or None)
 
 
 def new_id(chat: bool) -> str:
@@ -153,9 +156,11 @@ def response(call: Call, model: str, answers: list[Answer]) -> dict:
                   "logprobs": _choice_logprobs(call, logprobs)}
         if call.chat:
             content, calls = text, None
-            if call.tool_name is not None or call.tools_required:
-                calls = tool_calls(call, text)
+            if call.tool_name is not None:
+                calls = _named_call(call, text)
                 content = None if calls is not None else text
+            elif call.tools_required:
+                content, calls = _required_calls(text)
             elif call.tool_parser is not None:
                 content, calls = tool_parsers.parse(call.tool_parser, text)
             choice["message"] = {"role": "assistant", "content": content}
@@ -188,16 +193,19 @@ def _tools_finish_reason(call: Call, reason: str) -> str:
 class Chunks:
     """The chunks of one streamed answer: for each choice (its index), deltas
     as rounds commit them, then one with its finish reason and its stats;
-    after every choice's, the usage if asked."""
+    after every choice's, the usage if asked.
+
+    Where the text is held back (tool calls in the making), so are its token
+    ids and log probabilities: they go out with the choice's next chunk."""
 
     def __init__(self, call: Call, model: str):
         self.call, self.model = call, model
         self.id, self.created = new_id(call.chat), int(time.time())
         self._role_sent: set[int] = set()  # choices whose first chunk went out
-        self._calls: dict[int, str] = {}  # tool_choice "required": each choice's text, sent as calls at its end
         self._call_ids: dict[int, str] = {}  # a named tool_choice: each choice's call id
-        self._said: dict[int, str] = {}  # tool_choice "auto": each choice's text so far
-        self._sent: dict[int, int] = {}  # and how much of it went out as content
+        self._said: dict[int, str] = {}  # "required" and "auto": each choice's text so far
+        self._sent: dict[int, int] = {}  # "auto": how much of it went out as content; "required": how many calls
+        self._held: dict[int, tuple[list[int], list]] = {}  # token ids and log probabilities not sent yet
         self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
 
     def _chunk(self, choices: list[dict], **more) -> dict:
@@ -232,6 +240,25 @@ class Chunks:
             choice["token_ids"] = ids
         return choice
 
+    def _hold(self, index: int, delta: tandem_pb2.TokenDelta) -> str:
+        """Keeps the delta's token ids and log probabilities until the choice's
+        next chunk; returns the choice's text so far."""
+        ids, logprobs = self._held.setdefault(index, ([], []))
+        ids.extend(delta.token_ids)
+        logprobs.extend(delta.logprobs)
+        said = self._said[index] = self._said.get(index, "") + delta.text
+        return said
+
+    def _release(self, index: int, text: str | None, finish_reason: str | None = None,
+                 calls: list[dict] | None = None, first_call: int = 0) -> dict:
+        """A chunk of the choice with what was held back, and `calls` (the
+        first of them the choice's call number `first_call`)."""
+        ids, logprobs = self._held.pop(index, ([], []))
+        choice = self._choice(index, text, ids, finish_reason, logprobs or None)
+        if calls:
+            choice["delta"]["tool_calls"] = [{"index": first_call + i, **c} for i, c in enumerate(calls)]
+        return self._chunk([choice])
+
     def delta(self, index: int, delta: tandem_pb2.TokenDelta) -> list[dict]:
         """The chunks of a delta of choice `index`: with echo, the prompt's
         first (it comes with the choice's first delta)."""
@@ -239,48 +266,51 @@ class Chunks:
         if self.call.echo and delta.HasField("prompt"):
             chunks.append(self._chunk([self._choice(index, _echo_text(self.call, index, delta.prompt), [], None,
                                                     _prompt_logprobs(delta.prompt))]))
-        if self.call.chat and self.call.tools_required:  # the calls go out whole, once the list is complete
-            self._calls[index] = self._calls.get(index, "") + delta.text
+        if self.call.chat and self.call.tools_required:  # each call once its object is complete
+            calls, _, _ = tool_parsers.listed_calls(self._hold(index, delta))
+            sent = self._sent.get(index, 0)
+            if len(calls) > sent:
+                self._sent[index] = len(calls)
+                chunks.append(self._release(index, None, calls=calls[sent:], first_call=sent))
             return chunks
         if self.call.chat and self.call.tool_parser is not None:  # content up to a call's opening tag
-            said = self._said[index] = self._said.get(index, "") + delta.text
+            said = self._hold(index, delta)
             sent, ready = self._sent.get(index, 0), tool_parsers.sendable(self.call.tool_parser, said)
             if ready > sent:
                 self._sent[index] = ready
-                chunks.append(self._chunk([self._choice(index, said[sent:ready], list(delta.token_ids), None,
-                                                        delta.logprobs)]))
+                chunks.append(self._release(index, said[sent:ready]))
             return chunks
         if not self.call.prompt_only:
             chunks.append(self._chunk([self._choice(index, delta.text, list(delta.token_ids), None, delta.logprobs)]))
         return chunks
 
     def final(self, index: int, final: tandem_pb2.Completion) -> list[dict]:
-        """The choice's last chunks: with tool_choice "required", its calls (or,
-        cut short, its text), then the one with the finish reason and stats."""
+        """The choice's last chunks: what tool calls held back (with "auto",
+        its calls, or text that never became one; with "required" cut short,
+        the text after its complete calls), then the one with the finish
+        reason and stats."""
         reason = _finish_reason(self.call, final)
         chunks = []
+        said, sent = self._said.pop(index, ""), self._sent.pop(index, 0)
         if self.call.chat and self.call.tools_required:
-            text = self._calls.pop(index, "")
-            calls = tool_calls(self.call, text)
-            choice = self._choice(index, None if calls is not None else text, None, None)
-            if calls is not None:
-                choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            content, calls = _required_calls(said)
+            calls = (calls or [])[sent:]  # none, unless a list closed in its last delta
+            if calls or content:
+                chunks.append(self._release(index, content or None, calls=calls, first_call=sent))
+            if content is None:  # the list is whole
                 reason = _tools_finish_reason(self.call, reason)
-            chunks.append(self._chunk([choice]))
         elif self.call.tool_name is not None and reason == "stop":
             reason = _tools_finish_reason(self.call, reason)
         elif self.call.chat and self.call.tool_parser is not None:
-            said, sent = self._said.pop(index, ""), self._sent.pop(index, 0)
             _, calls = tool_parsers.parse(self.call.tool_parser, said)
             if calls is not None:
-                choice = self._choice(index, None, None, None)
-                choice["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-                chunks.append(self._chunk([choice]))
+                chunks.append(self._release(index, None, calls=calls))
                 reason = _tools_finish_reason(self.call, reason)
             elif len(said) > sent:  # what was held back: a tag that never became a call
-                chunks.append(self._chunk([self._choice(index, said[sent:], None, None)]))
+                chunks.append(self._release(index, said[sent:]))
+        ids, logprobs = self._held.pop(index, ([], []))
         closing = self._choice(index, None if self.call.tool_name is not None else "" if self.call.chat else None,
-                               [], reason)
+                               ids, reason, logprobs or None)
         return [*chunks, self._chunk([closing], tandem=speculation(final))]
 
     def usage(self, finals: list[tandem_pb2.Completion]) -> dict:

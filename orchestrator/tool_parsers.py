@@ -81,6 +81,42 @@ def openai_call(name: str, arguments) -> dict:
                          else json.dumps(arguments, ensure_ascii=False)}}
 
 
+def listed_calls(text: str) -> tuple[list[dict], int, bool]:
+    """tool_choice "required"'s answer, a JSON list of {"name", "parameters"}
+    objects (its grammar allows nothing else), read as far as it is complete:
+    (OpenAI's tool_calls of its complete objects, where the text after the
+    last of them starts, whether the list is closed). Streamed, each call goes
+    out as its object closes; cut short, the calls before the cut stand."""
+    decoder, calls, end = json.JSONDecoder(), [], 0
+    at = _skip_space(text, 0)
+    if not text.startswith("[", at):
+        return [], 0, False
+    at = _skip_space(text, at + 1)
+    while not text.startswith("]", at):
+        try:
+            value, after = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break  # an object in the making, or cut short
+        call = _call(value, "parameters")
+        if call is None:
+            break
+        calls.append(openai_call(*call))
+        end = at = _skip_space(text, after)
+        if text.startswith(",", at):
+            at = _skip_space(text, at + 1)
+        elif not text.startswith("]", at):
+            break
+    else:
+        return calls, at + 1, True
+    return calls, end, False
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
+
+
 def _before_tag(text: str, tag: str) -> int:
     """All of the text before the tag, less an end that could begin it."""
     start = text.find(tag)
