@@ -103,7 +103,7 @@ class RequestReader:
                 raise ValueError(f"message {i} has no role")
             message = {"role": m.role, "content": m.content}
             if m.tool_calls_json:
-                message["tool_calls"] = _template_calls(i, m.tool_calls_json)
+                message["tool_calls"] = template_calls(i, m.tool_calls_json)
             if m.tool_call_id:
                 message["tool_call_id"] = m.tool_call_id
             if m.name:
@@ -134,7 +134,7 @@ def read_tools(text: str) -> list[dict] | None:
     return tools or None
 
 
-def _template_calls(index: int, text: str) -> list[dict]:
+def template_calls(index: int, text: str) -> list[dict]:
     """An assistant message's tool_calls_json, for the chat template: each
     call's arguments as an object where they are a JSON object's text (the
     templates write them out themselves), as vLLM gives them."""

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 PARENT_ENV = "TANDEM_PARENT_PID"  # set by Service.start: the service ends when that process does
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PORT_TAKEN = "Address already in use"  # gRPC's words in a service's log when its port was bound first
 
 
 def die_with_parent() -> None:
@@ -91,6 +92,24 @@ class Service:
                 tail = self.log_path.read_text()[-3000:] if self.log_path else ""
                 raise RuntimeError(f"{self.role} did not start (see {self.log_path}):\n{tail}")
 
+    def ready(self, log_dir: Path, timeout_s: float, attempts: int = 3) -> None:
+        """wait_ready; a service that found its port taken (free_port's port is
+        only free when picked: a process launched beside this one, a test of
+        another worker, may bind it first) starts again on a fresh port."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.wait_ready(timeout_s)
+            except RuntimeError:
+                if attempt == attempts or not self._port_taken():
+                    raise
+            log.warning("%s: port %d was taken before it bound it; starting it again", self.role, self.port)
+            self.port = free_port()
+            self.start(log_dir)
+
+    def _port_taken(self) -> bool:
+        return (self.process.poll() is not None and self.log_path is not None
+                and PORT_TAKEN in self.log_path.read_text(errors="replace"))
+
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -108,11 +127,8 @@ class Deployment:
         self.log_dir = Path(log_dir or Path.home() / ".cache" / "tandem" / "logs")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.target, self.draft = target, draft
-        self.orchestrator = Service(
-            "orchestrator",
-            ["--target", target.address, "--draft", draft.address, *orchestrator_args],
-            cpus=orchestrator_cpus,
-        )
+        # Given the model services' addresses once they serve (a port taken meanwhile moves one).
+        self.orchestrator = Service("orchestrator", list(orchestrator_args), cpus=orchestrator_cpus)
 
     @property
     def address(self) -> str:
@@ -122,10 +138,11 @@ class Deployment:
         try:
             self.target.start(self.log_dir)
             self.draft.start(self.log_dir)
-            self.target.wait_ready(900)
-            self.draft.wait_ready(900)
+            self.target.ready(self.log_dir, 900)
+            self.draft.ready(self.log_dir, 900)
+            self.orchestrator.args[:0] = ["--target", self.target.address, "--draft", self.draft.address]
             self.orchestrator.start(self.log_dir)
-            self.orchestrator.wait_ready(120)
+            self.orchestrator.ready(self.log_dir, 120)
         except BaseException:
             self.__exit__()
             raise

@@ -50,3 +50,32 @@ def test_a_launched_service_ends_when_its_launcher_is_killed(tiny_models, tmp_pa
         launcher.kill()
         if service_pid is not None and alive(service_pid):
             os.kill(service_pid, signal.SIGKILL)
+
+
+def test_a_service_whose_port_was_taken_starts_again_on_another(tiny_models, tmp_path):
+    """free_port's port is free only when picked: another process may bind it
+    before the service does (a flake seen when two test workers launched
+    services at once). The service then starts again on a fresh port."""
+    import socket
+
+    import grpc
+
+    from tandem.launch import Service
+    from tandem.v1 import common_pb2, draft_pb2_grpc
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    service = Service("draft", ["--model", tiny_models["target"], "--backend", "ngram", "--dtype", "float32"],
+                      port=taken)
+    try:
+        service.start(tmp_path)
+        service.ready(tmp_path, 120)
+        assert service.port != taken and service.process.poll() is None
+        with grpc.insecure_channel(service.address) as channel:
+            info = draft_pb2_grpc.DraftServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+        assert info.backend == "ngram"
+    finally:
+        service.stop()
+        holder.close()

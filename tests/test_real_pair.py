@@ -120,14 +120,14 @@ def test_a_reply_cut_after_a_token_that_starts_the_closing_still_gets_it_whole(t
 def test_the_real_chat_template_shows_tools_and_calls_as_the_model_was_trained(tokenizer):
     """Tools reach Qwen's template, and an assistant's call's arguments, sent as
     OpenAI's JSON text, are written as an object, not as an escaped string."""
-    from orchestrator.server import _tool_calls, _tools
+    from orchestrator.request_reader import read_tools, template_calls
     from orchestrator.text import ChatTemplate
 
-    tools = _tools(json.dumps([{"type": "function", "function": {
+    tools = read_tools(json.dumps([{"type": "function", "function": {
         "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]))
     calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
     messages = [{"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": "", "tool_calls": _tool_calls(1, json.dumps(calls))},
+                {"role": "assistant", "content": "", "tool_calls": template_calls(1, json.dumps(calls))},
                 {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
     text = ChatTemplate(tokenizer).first_turn_text(messages, tools)
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
