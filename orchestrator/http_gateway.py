@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 
 import grpc
@@ -21,6 +22,7 @@ from aiohttp import web
 from orchestrator.openai_api import Call, chat_call, completion_call, detokenize_request, tokenize_request
 from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import Answer, Chunks, response
+from orchestrator.prefix_cache import MIN_FORK
 from tandem import serving
 from tandem.serving import MAX_MESSAGE_BYTES
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -153,16 +155,26 @@ class Gateway:
                                   "draft_model": info.draft_model})
 
     async def _answer(self, request: web.Request, call: Call) -> web.StreamResponse:
-        """One Generate call for each of the request's n choices, at once."""
+        """One Generate call for each of the request's choices, at once; where
+        they begin alike and the orchestrator reuses prefixes, the first goes
+        ahead until its first event (shares_prefix)."""
         model = await self.model_name()
         if call.model is not None and call.model != model:
             raise ApiError(404, f"the model {call.model!r} does not exist: this server serves {model!r}",
                            "not_found_error", "model", "model_not_found")
         metadata = self._metadata(request)
-        rpcs = [self.stub.Generate(one, metadata=metadata) for one in call.requests()]
-        streams = [rpc.__aiter__() for rpc in rpcs]
+        requests = call.requests()
+        ahead = shares_prefix(call) and (await self.target_info()).prefix_cache_sessions > 0
+        rpcs, streams = [], []
         finished = False
         try:
+            for i, one in enumerate(requests):
+                rpcs.append(self.stub.Generate(one, metadata=metadata))
+                streams.append(rpcs[-1].__aiter__())
+                if ahead and i == 0 and len(requests) > 1:
+                    # The first goes ahead: once its first event is here, both services
+                    # hold its prompt, and the others copy it instead of prefilling it.
+                    streams[0] = _ahead(await anext(streams[0], None), streams[0])
             if call.stream:
                 answer = await self._stream(request, call, model, rpcs, streams)
             else:
@@ -246,6 +258,33 @@ class Gateway:
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+
+SHARED_TEXT = 64  # characters: a text prompt this long is worth sharing (about MIN_FORK tokens)
+
+
+def shares_prefix(call: Call) -> bool:
+    """Whether the call's choices begin alike, long enough that its first
+    going ahead lets the others copy its prompt's caches (PrefixCache.share)
+    rather than prefill it each: n > 1 of a long prompt, or a batch of
+    completions whose prompts share a long beginning (lm-evaluation-harness's
+    continuations of one context, say)."""
+    prompts = call.prompts
+    if call.choices < 2:
+        return False
+    if all(p.WhichOneof("prompt") == "token_ids" for p in prompts):
+        return len(os.path.commonprefix([list(p.token_ids.ids) for p in prompts])) > MIN_FORK
+    if all(p.WhichOneof("prompt") == "text" for p in prompts):
+        return len(os.path.commonprefix([p.text for p in prompts])) >= SHARED_TEXT
+    return call.n > 1 and prompts[0].WhichOneof("prompt") == "messages"  # a chat template's prompt
+
+
+async def _ahead(first, events):
+    """A choice's events, its first already read."""
+    if first is not None:
+        yield first
+        async for event in events:
+            yield event
 
 
 async def _collect(events) -> Answer:

@@ -21,6 +21,15 @@ A parked session keeps its hash and token list, without its owner key, so no
 client call can read, continue or delete it. A request that takes it over gets
 it under a new id; the caches keep the name the services know them by
 (SessionRecord.cache_id).
+
+A stateless request whose prompt is in both services' caches (its first round
+is done) shares it while it runs: a request of the same tenant that finds no
+parked session with its prefix starts from a copy of the running one's caches
+of the prefix they share (never the running session itself). So the n choices
+of one prompt, or a batch of prompts with a common beginning, prefill it once
+when the first goes ahead (the HTTP API's gateway does that):
+  tandem:{tenant}:live:{ns}:{digest}    the id of a running session whose prompt
+                                        starts with the block chain `digest` names
 """
 from __future__ import annotations
 
@@ -37,6 +46,15 @@ BLOCK = 16  # tokens a digest covers more than the one before it
 MAX_CANDIDATES = 3  # parked sessions a lookup tries before it prefills afresh
 MIN_FORK = 2 * BLOCK  # the shortest common prefix worth copying out of a parked session
 
+# Deletes the keys that still name the session (another may have shared the
+# same prefix since). KEYS: the live index keys. ARGV: the session id.
+_UNSHARE = """
+local n = 0
+for _, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then n = n + redis.call('DEL', key) end
+end
+return n
+"""
 # KEYS: the session's hash, its token list, its owner key, the parked set.
 # ARGV: the member, the time in ms, the park TTL.
 _PARK = """
@@ -117,9 +135,34 @@ class PrefixCache:
         self.release = release
         self._park = self.redis.register_script(_PARK)
         self._claim = self.redis.register_script(_CLAIM)
+        self._unshare = self.redis.register_script(_UNSHARE)
 
     def _index_key(self, tenant: str, digest: str) -> str:
         return f"tandem:{tenant}:prefix:{self.namespace}:{digest}"
+
+    def _live_key(self, tenant: str, digest: str) -> str:
+        return f"tandem:{tenant}:live:{self.namespace}:{digest}"
+
+    @staticmethod
+    def shareable(prompt: list[int]) -> list[str]:
+        """The digests under which a running session shares `prompt`: none
+        when it is too short for a copy (MIN_FORK)."""
+        return block_digests(prompt) if len(prompt) > MIN_FORK else []
+
+    async def share(self, record: SessionRecord, prompt: list[int], ttl_s: int = 0) -> None:
+        """Offers the prompt of running session `record`, which both services
+        hold now, to the tenant's requests that start alike (`take` copies it)."""
+        if digests := self.shareable(prompt):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for digest in digests:
+                    pipe.set(self._live_key(record.tenant, digest), record.session_id,
+                             ex=ttl_s or self.store.default_ttl_s)
+                await pipe.execute()
+
+    async def unshare(self, record: SessionRecord, prompt: list[int]) -> None:
+        """Withdraws what `share` offered, as the session ends."""
+        if digests := self.shareable(prompt):
+            await self._unshare(keys=[self._live_key(record.tenant, d) for d in digests], args=[record.session_id])
 
     async def take(self, tenant: str, prompt: list[int], ttl_s: int = 0) -> tuple[SessionRecord, int] | None:
         """A session for `prompt` that holds its longest prefix found among
@@ -146,6 +189,30 @@ class PrefixCache:
             taken = await self._take_or_copy(tenant, session_id, prompt[:-1], ttl_s or self.store.default_ttl_s)
             if taken is not None:
                 return taken
+            if len(tried) >= MAX_CANDIDATES:
+                break
+        return await self._copy_live(tenant, prompt[:-1], digests, ttl_s or self.store.default_ttl_s)
+
+    async def _copy_live(self, tenant: str, prefix: list[int], digests: list[str], ttl_s: int):
+        """A new session holding the longest prefix of `prefix` that a running
+        session shares (`share`), copied from its caches; None when none does."""
+        found = await self.redis.mget([self._live_key(tenant, d) for d in digests])
+        tried: set[str] = set()
+        for value in reversed(found):
+            if value is None or value in tried:
+                continue
+            tried.add(value)
+            session_id = value.decode()
+            key = SessionStore._key(tenant, session_id)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.lrange(f"{key}:tokens", 0, len(prefix) - 1)
+                pipe.hget(key, "cache_id")
+                tokens, cache_id = await pipe.execute()
+            common = common_prefix([int(t) for t in tokens], prefix)
+            if common >= MIN_FORK:  # else it ended (and is gone) meanwhile
+                copied = await self._copy(tenant, stored_cache_id(cache_id, session_id), prefix[:common], ttl_s)
+                if copied is not None:
+                    return copied
             if len(tried) >= MAX_CANDIDATES:
                 break
         return None

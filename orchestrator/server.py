@@ -209,19 +209,25 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         # The prompt's log probabilities need every prompt token run in this request.
         record, cached = await self._session_for(tenant, prompt, messages, reuse=params.prompt_logprobs is None)
         keeps_history = messages is not None and request.keep_session  # Chat may continue the conversation
-        finished = False
+        # A stateless prompt is shared once both services hold it (PrefixCache.share):
+        # from the first event on, before the caller sees it.
+        shares = self.prefix_cache is not None and not request.keep_session and params.prompt_logprobs is None
+        shared = finished = False
         try:
             async with contextlib.aclosing(self._stream(context, generation, record, prompt[cached:], params,
                                                         TurnOutcome() if keeps_history else None, method="Generate",
                                                         added=[] if keeps_history else None, cached=cached)) as events:
                 async for event in events:
                     finished = event.HasField("final")
+                    if shares and not shared and not finished:
+                        shared = True
+                        await self._share(record, prompt)
                     yield event
         finally:
             if not request.keep_session:
                 # Shielded: a client that cancels once it has the final event (the
                 # HTTP API's, say) does not leave the session behind.
-                await asyncio.shield(self._end_stateless(record, finished))
+                await asyncio.shield(self._end_stateless(record, finished, prompt if shared else None))
 
     @store_unavailable
     async def CreateSession(self, request, context):
@@ -410,9 +416,19 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                 return record, cached
         return await self.store.create(tenant, messages), 0
 
-    async def _end_stateless(self, record, finished: bool) -> None:
-        """After a Generate without keep_session: parks a session that finished
-        for a later prompt with the same prefix, and deletes any other."""
+    async def _share(self, record, prompt: list[int]) -> None:
+        try:
+            await self.prefix_cache.share(record, prompt)
+        except Exception:  # noqa: BLE001 (a Redis hiccup costs later requests a prefill, not this one its answer)
+            log.warning("could not share the prompt of session %s", record.session_id, exc_info=True)
+
+    async def _end_stateless(self, record, finished: bool, shared: list[int] | None = None) -> None:
+        """After a Generate without keep_session: withdraws the prompt it shared,
+        parks a session that finished for a later prompt with the same prefix,
+        and deletes any other."""
+        if shared is not None:
+            with contextlib.suppress(Exception):  # the live keys expire with the session's TTL anyway
+                await self.prefix_cache.unshare(record, shared)
         if finished and self.prefix_cache is not None:
             try:
                 if await self.prefix_cache.park(record):
