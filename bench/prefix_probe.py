@@ -13,6 +13,14 @@ replies.
     python -m bench.prefix_probe                  # the default pair, 3 chats x 4 turns x 64 tokens
     python -m bench.prefix_probe --turns 6 --new-tokens 96
 
+With --choices N it sends instead, for each chat, one request of N sampled
+choices (seeded) of its first turn, after a system prompt of its own: the
+prompt is in no parked session, so the side with the cache copies it from
+the first choice while that one runs (PrefixCache.share), where the other
+prefills it N times. It records the time to the first choice's first token
+and to the last choice's, and the tokens the target prefilled over all
+choices.
+
 Writes bench/results/prefix_probe.json."""
 from __future__ import annotations
 
@@ -83,6 +91,69 @@ def _turn(base: str, messages: list[dict], new_tokens: int) -> dict:
             "cache_misses": stats.get("cache_misses", 0)}
 
 
+def _choices(base: str, messages: list[dict], new_tokens: int, n: int, seed: int) -> dict:
+    body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0.8, "seed": seed, "n": n,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    request = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    start, firsts, ids, stats, usage = time.perf_counter(), {}, {i: [] for i in range(n)}, {}, {}
+    with urllib.request.urlopen(request, timeout=1800) as reply:
+        for line in reply:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                if choice.get("token_ids"):
+                    firsts.setdefault(choice["index"], time.perf_counter() - start)
+                    ids[choice["index"]] += choice["token_ids"]
+                if "tandem" in chunk and choice.get("finish_reason"):
+                    stats[choice["index"]] = chunk["tandem"]
+    return {"wall_s": time.perf_counter() - start, "first_token_s": min(firsts.values()),
+            "last_first_token_s": max(firsts.values()), "ids": [ids[i] for i in range(n)],
+            "prompt_tokens": usage["prompt_tokens"],
+            "target_prefill_tokens": sum(s.get("target_prefill_tokens", 0) for s in stats.values()),
+            "draft_prefill_tokens": sum(s.get("draft_prefill_tokens", 0) for s in stats.values())}
+
+
+def run_choices(bases: dict[str, str], chats: dict[str, list[str]], n: int, new_tokens: int,
+                system: str = "") -> dict:
+    rows = {side: [] for side in SIDES}
+    for side in SIDES:  # warm-up: a request each, of a prompt of its own
+        _choices(bases[side], [{"role": "user", "content": f"Say hello ({side})."}], 8, 2, 0)
+    for index, (name, users) in enumerate(chats.items()):
+        # A system prompt no earlier request began with: nothing parked holds it.
+        messages = [{"role": "system", "content": f"Request {index}: {name}. {system}".strip()},
+                    {"role": "user", "content": users[0]}]
+        for side in SIDES if index % 2 == 0 else SIDES[::-1]:
+            row = _choices(bases[side], messages, new_tokens, n, seed=index)
+            rows[side].append({"chat": name, **row})
+            log.info("%s %s: %d choices, first token %.2f s, the last choice's %.2f s, target prefilled %d "
+                     "(prompt %d)", side, name, n, row["first_token_s"], row["last_first_token_s"],
+                     row["target_prefill_tokens"], row["prompt_tokens"])
+    summary = {side: {
+        "first_token_s_p50": statistics.median(r["first_token_s"] for r in side_rows),
+        "last_first_token_s_p50": statistics.median(r["last_first_token_s"] for r in side_rows),
+        "wall_s_total": sum(r["wall_s"] for r in side_rows),
+        "tok_s": sum(len(i) for r in side_rows for i in r["ids"]) / sum(r["wall_s"] for r in side_rows),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in side_rows),
+        "target_prefill_tokens": sum(r["target_prefill_tokens"] for r in side_rows),
+        "requests": len(side_rows),
+    } for side, side_rows in rows.items()}
+    on, off = summary["cache_on"], summary["cache_off"]
+    return {
+        "choices": n,
+        "modes": summary,
+        "identical": sum(a["ids"] == b["ids"] for a, b in zip(rows["cache_on"], rows["cache_off"])),
+        "wall_off_over_on": off["wall_s_total"] / on["wall_s_total"],
+        "last_first_token_off_over_on": off["last_first_token_s_p50"] / on["last_first_token_s_p50"],
+        "runs": {side: [{k: v for k, v in r.items() if k != "ids"} for r in side_rows]
+                 for side, side_rows in rows.items()},
+    }
+
+
 def run(bases: dict[str, str], chats: dict[str, list[str]], turns: int, new_tokens: int, system: str = "") -> dict:
     rows = {side: [] for side in SIDES}
     for side in SIDES:  # warm-up: a turn each, on a conversation of its own
@@ -138,6 +209,9 @@ def main(argv=None) -> int:
     parser.add_argument("--system", choices=["shared", "none"], default="shared",
                         help="shared: every chat opens with the same system prompt of about 150 tokens; "
                              "none: with the model's default (default: %(default)s)")
+    parser.add_argument("--choices", type=int, default=0, metavar="N",
+                        help="send each chat's first turn once, as one request of N sampled choices, instead "
+                             "of the conversations (above); 0 = the conversations (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix_probe.json", help="JSON output path")
     args = parse_args(parser, argv)
@@ -151,13 +225,25 @@ def main(argv=None) -> int:
         try:
             off.start(deployment.log_dir)
             off.wait_ready(120)
-            result = run({side: f"http://127.0.0.1:{port}" for side, port in ports.items()}, chats,
-                         args.turns, args.new_tokens, SYSTEM if args.system == "shared" else "")
+            bases = {side: f"http://127.0.0.1:{port}" for side, port in ports.items()}
+            if args.choices:
+                result = run_choices(bases, chats, args.choices, args.new_tokens,
+                                     SYSTEM if args.system == "shared" else "")
+            else:
+                result = run(bases, chats, args.turns, args.new_tokens, SYSTEM if args.system == "shared" else "")
         finally:
             off.stop()
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, new_tokens=args.new_tokens,
-                  turns=args.turns, system=args.system, machine=machine())
+                  turns=0 if args.choices else args.turns, system=args.system, machine=machine())
     write(args.out, result)
+    if args.choices:
+        print(f"{'side':<10} {'first token p50':>16} {'last choice':>12} {'tok/s':>7} {'target prefill':>15}")
+        for side, row in result["modes"].items():
+            print(f"{side:<10} {row['first_token_s_p50']:14.2f} s {row['last_first_token_s_p50']:10.2f} s "
+                  f"{row['tok_s']:7.2f} {row['target_prefill_tokens']:>15}")
+        print(f"whole run, off over on: {cut(result['wall_off_over_on']):.2f}x (cut); same choices: "
+              f"{result['identical']}/{result['modes']['cache_on']['requests']}")
+        return 0
     print(f"{'side':<10} {'TTFT p50, turn 1':>17} {'later turns':>12} {'tok/s':>7} {'cached/prompt':>15} "
           f"{'target prefill':>15}")
     for side, row in result["modes"].items():

@@ -355,6 +355,28 @@ def test_the_prefix_probe_reuses_caches_on_one_side_only_and_gets_the_same_repli
     assert all(r["cached_tokens"] > 0 for r in result["runs"]["cache_on"] if r["turn"] > 0)
 
 
+def test_the_prefix_probes_choices_copy_the_prompt_on_one_side_only_and_are_the_same(char_models, tmp_path):
+    """bench.prefix_probe --choices: one request of n seeded sampled choices a
+    chat; the side with the cache prefills each prompt once, and both sides
+    sample the same choices."""
+    import json
+
+    from bench.prefix_probe import main
+
+    out = tmp_path / "prefix_probe.json"
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--chats", "stack,csv", "--choices", "3", "--new-tokens", "8", "--system", "none",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    on, off = result["modes"]["cache_on"], result["modes"]["cache_off"]
+    assert on["requests"] == off["requests"] == 2 and result["identical"] == 2
+    assert on["prompt_tokens"] == off["prompt_tokens"]
+    for row_on, row_off in zip(result["runs"]["cache_on"], result["runs"]["cache_off"]):
+        prompt = row_on["prompt_tokens"]
+        assert row_off["target_prefill_tokens"] >= 3 * prompt  # each choice prefilled it
+        assert row_on["target_prefill_tokens"] < prompt + 2 * (prompt - MIN_FORK)  # the later two copied it
+
+
 def test_fork_session_refuses_bad_input_with_invalid_argument(cluster):
     for address, stub_class in ((cluster.draft_address, draft_pb2_grpc.DraftServiceStub),
                                 (cluster.target_address, target_pb2_grpc.TargetServiceStub)):
