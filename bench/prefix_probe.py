@@ -61,27 +61,32 @@ CHATS = {
 }
 
 
-def _turn(base: str, messages: list[dict], new_tokens: int) -> dict:
-    body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
+def _chunks(base: str, body: dict, timeout_s: float):
+    """A streamed chat completion's chunks, as they come."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     request = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    start, first, ids, text, stats, usage = time.perf_counter(), None, [], "", {}, {}
-    with urllib.request.urlopen(request, timeout=900) as reply:
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         for line in reply:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                if choice.get("token_ids") and first is None:
-                    first = time.perf_counter() - start
-                ids += choice.get("token_ids", [])
-                text += choice.get("delta", {}).get("content") or ""
-                stats = chunk.get("tandem", stats)
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"])
+                yield chunk
+
+
+def _turn(base: str, messages: list[dict], new_tokens: int) -> dict:
+    body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0}
+    start, first, ids, text, stats, usage = time.perf_counter(), None, [], "", {}, {}
+    for chunk in _chunks(base, body, 900):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices", []):
+            if choice.get("token_ids") and first is None:
+                first = time.perf_counter() - start
+            ids += choice.get("token_ids", [])
+            text += choice.get("delta", {}).get("content") or ""
+            stats = chunk.get("tandem", stats)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "first_token_s": first, "ids": ids, "text": text,
             "prompt_tokens": usage["prompt_tokens"],
@@ -92,25 +97,16 @@ def _turn(base: str, messages: list[dict], new_tokens: int) -> dict:
 
 
 def _choices(base: str, messages: list[dict], new_tokens: int, n: int, seed: int) -> dict:
-    body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0.8, "seed": seed, "n": n,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    request = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0.8, "seed": seed, "n": n}
     start, firsts, ids, stats, usage = time.perf_counter(), {}, {i: [] for i in range(n)}, {}, {}
-    with urllib.request.urlopen(request, timeout=1800) as reply:
-        for line in reply:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", []):
-                if choice.get("token_ids"):
-                    firsts.setdefault(choice["index"], time.perf_counter() - start)
-                    ids[choice["index"]] += choice["token_ids"]
-                if "tandem" in chunk and choice.get("finish_reason"):
-                    stats[choice["index"]] = chunk["tandem"]
+    for chunk in _chunks(base, body, 1800):
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices", []):
+            if choice.get("token_ids"):
+                firsts.setdefault(choice["index"], time.perf_counter() - start)
+                ids[choice["index"]] += choice["token_ids"]
+            if "tandem" in chunk and choice.get("finish_reason"):
+                stats[choice["index"]] = chunk["tandem"]
     return {"wall_s": time.perf_counter() - start, "first_token_s": min(firsts.values()),
             "last_first_token_s": max(firsts.values()), "ids": [ids[i] for i in range(n)],
             "prompt_tokens": usage["prompt_tokens"],
@@ -147,10 +143,12 @@ def run_choices(bases: dict[str, str], chats: dict[str, list[str]], n: int, new_
         "choices": n,
         "modes": summary,
         "identical": sum(a["ids"] == b["ids"] for a, b in zip(rows["cache_on"], rows["cache_off"])),
+        # Of each request, which choices were the same on both sides.
+        "identical_choices": [[x == y for x, y in zip(a["ids"], b["ids"])]
+                              for a, b in zip(rows["cache_on"], rows["cache_off"])],
         "wall_off_over_on": off["wall_s_total"] / on["wall_s_total"],
         "last_first_token_off_over_on": off["last_first_token_s_p50"] / on["last_first_token_s_p50"],
-        "runs": {side: [{k: v for k, v in r.items() if k != "ids"} for r in side_rows]
-                 for side, side_rows in rows.items()},
+        "runs": rows,
     }
 
 
