@@ -13,8 +13,8 @@ replies.
     python -m bench.prefix_probe                  # the default pair, 3 chats x 4 turns x 64 tokens
     python -m bench.prefix_probe --turns 6 --new-tokens 96
 
-With --choices N it sends instead, for each chat, one request of N sampled
-choices (seeded) of its first turn, after a system prompt of its own: the
+With --choices N it sends instead, for each chat, one request of N greedy
+choices of its first turn, after a system prompt of its own: the
 prompt is in no parked session, so the side with the cache copies it from
 the first choice while that one runs (PrefixCache.share), where the other
 prefills it N times. It records the time to the first choice's first token
@@ -96,8 +96,8 @@ def _turn(base: str, messages: list[dict], new_tokens: int) -> dict:
             "cache_misses": stats.get("cache_misses", 0)}
 
 
-def _choices(base: str, messages: list[dict], new_tokens: int, n: int, seed: int) -> dict:
-    body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0.8, "seed": seed, "n": n}
+def _choices(base: str, messages: list[dict], new_tokens: int, n: int) -> dict:
+    body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0, "n": n}
     start, firsts, ids, stats, usage = time.perf_counter(), {}, {i: [] for i in range(n)}, {}, {}
     for chunk in _chunks(base, body, 1800):
         usage = chunk.get("usage") or usage
@@ -118,13 +118,13 @@ def run_choices(bases: dict[str, str], chats: dict[str, list[str]], n: int, new_
                 system: str = "") -> dict:
     rows = {side: [] for side in SIDES}
     for side in SIDES:  # warm-up: a request each, of a prompt of its own
-        _choices(bases[side], [{"role": "user", "content": f"Say hello ({side})."}], 8, 2, 0)
+        _choices(bases[side], [{"role": "user", "content": f"Say hello ({side})."}], 8, 2)
     for index, (name, users) in enumerate(chats.items()):
         # A system prompt no earlier request began with: nothing parked holds it.
         messages = [{"role": "system", "content": f"Request {index}: {name}. {system}".strip()},
                     {"role": "user", "content": users[0]}]
         for side in SIDES if index % 2 == 0 else SIDES[::-1]:
-            row = _choices(bases[side], messages, new_tokens, n, seed=index)
+            row = _choices(bases[side], messages, new_tokens, n)
             rows[side].append({"chat": name, **row})
             log.info("%s %s: %d choices, first token %.2f s, the last choice's %.2f s, target prefilled %d "
                      "(prompt %d)", side, name, n, row["first_token_s"], row["last_first_token_s"],
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                         help="shared: every chat opens with the same system prompt of about 150 tokens; "
                              "none: with the model's default (default: %(default)s)")
     parser.add_argument("--choices", type=int, default=0, metavar="N",
-                        help="send each chat's first turn once, as one request of N sampled choices, instead "
+                        help="send each chat's first turn once, as one request of N greedy choices, instead "
                              "of the conversations (above); 0 = the conversations (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix_probe.json", help="JSON output path")

@@ -268,9 +268,12 @@ def shares_prefix(call: Call) -> bool:
     going ahead lets the others copy its prompt's caches (PrefixCache.share)
     rather than prefill it each: n > 1 of a long prompt, or a batch of
     completions whose prompts share a long beginning (lm-evaluation-harness's
-    continuations of one context, say)."""
+    continuations of one context, say); not with a seed and sampling."""
     prompts = call.prompts
-    if call.choices < 2:
+    params = call.request.params
+    if call.choices < 2 or (params.HasField("seed") and params.temperature > 0):
+        # A seeded sampled choice is drawn as the same seed draws it cold: a copied
+        # cache's rows may differ in the last bits (see the README), and so its draws.
         return False
     if all(p.WhichOneof("prompt") == "token_ids" for p in prompts):
         return len(os.path.commonprefix([list(p.token_ids.ids) for p in prompts])) > MIN_FORK

@@ -356,9 +356,9 @@ def test_the_prefix_probe_reuses_caches_on_one_side_only_and_gets_the_same_repli
 
 
 def test_the_prefix_probes_choices_copy_the_prompt_on_one_side_only_and_are_the_same(char_models, tmp_path):
-    """bench.prefix_probe --choices: one request of n seeded sampled choices a
-    chat; the side with the cache prefills each prompt once, and both sides
-    sample the same choices."""
+    """bench.prefix_probe --choices: one request of n greedy choices a chat;
+    the side with the cache prefills each prompt once, and both sides give
+    the same choices."""
     import json
 
     from bench.prefix_probe import main

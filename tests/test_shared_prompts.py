@@ -119,6 +119,8 @@ def test_which_choices_go_one_after_the_first():
     assert shares_prefix(completion_call({"prompt": [PROMPT + [1], PROMPT + [2]]}))
     assert not shares_prefix(completion_call({"prompt": [PROMPT[:MIN_FORK] + [1], PROMPT[:MIN_FORK] + [2]]}))
     assert shares_prefix(chat_call({"messages": ask, "n": 3})) and not shares_prefix(chat_call({"messages": ask}))
+    assert not shares_prefix(chat_call({"messages": ask, "n": 3, "seed": 1}))  # sampled (temperature 1)
+    assert shares_prefix(chat_call({"messages": ask, "n": 3, "seed": 1, "temperature": 0}))
 
 
 def test_the_choices_of_one_prompt_over_http_prefill_it_once(tiny_models):
