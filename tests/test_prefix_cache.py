@@ -311,11 +311,20 @@ def test_caches_lost_while_parked_are_resynced_and_the_output_is_unchanged(clust
 
 
 def test_a_cancelled_or_kept_request_is_not_parked(cluster):
+    import redis
+
     prompt_a = [(17 * i + 5) % 120 + 1 for i in range(40)]
-    with cluster.client() as client:
+    tenant = f"cancel-{uuid.uuid4().hex[:8]}"
+    with cluster.client(tenant=tenant) as client, redis.Redis.from_url(REDIS_URL) as store:
         stream = client.generate_stream(prompt_ids=prompt_a, max_tokens=200, num_draft_tokens=2)
         assert next(stream).HasField("delta")
         stream.cancel()
+        # Until its cleanup is done the cancelled request still shares its prompt (a copy
+        # of it would be fair then); once done, nothing of it is left, parked or shared.
+        deadline = time.monotonic() + 30
+        while store.keys(f"tandem:{tenant}:*") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not store.keys(f"tandem:{tenant}:*")
         kept = client.generate(prompt_ids=prompt_a, max_tokens=6, keep_session=True)
         again = client.generate(prompt_ids=prompt_a + kept.token_ids + NEW, max_tokens=4)
         assert client.delete_session(kept.session_id)  # still the client's
