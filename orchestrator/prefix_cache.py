@@ -197,7 +197,7 @@ class PrefixCache:
         """A new session holding the longest prefix of `prefix` that a running
         session shares (`share`), copied from its caches; None when none does."""
         found = await self.redis.mget([self._live_key(tenant, d) for d in digests])
-        tried: set[str] = set()
+        tried: set[bytes] = set()
         for value in reversed(found):
             if value is None or value in tried:
                 continue
