@@ -204,7 +204,8 @@ class Chunks:
         self._role_sent: set[int] = set()  # choices whose first chunk went out
         self._call_ids: dict[int, str] = {}  # a named tool_choice: each choice's call id
         self._said: dict[int, str] = {}  # "required" and "auto": each choice's text so far
-        self._sent: dict[int, int] = {}  # "auto": how much of it went out as content; "required": how many calls
+        self._sent: dict[int, int] = {}  # "auto": how much of it went out as content
+        self._calls_sent: dict[int, list[str]] = {}  # "required" and "auto": each call's arguments sent so far
         self._held: dict[int, tuple[list[int], list]] = {}  # token ids and log probabilities not sent yet
         self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
 
@@ -249,15 +250,35 @@ class Chunks:
         said = self._said[index] = self._said.get(index, "") + delta.text
         return said
 
-    def _release(self, index: int, text: str | None, finish_reason: str | None = None,
-                 calls: list[dict] | None = None, first_call: int = 0) -> dict:
-        """A chunk of the choice with what was held back, and `calls` (the
-        first of them the choice's call number `first_call`)."""
+    def _release(self, index: int, text: str | None, tool_calls: list[dict] | None = None) -> dict:
+        """A chunk of the choice with what was held back, and OpenAI's tool_calls deltas."""
         ids, logprobs = self._held.pop(index, ([], []))
-        choice = self._choice(index, text, ids, finish_reason, logprobs or None)
-        if calls:
-            choice["delta"]["tool_calls"] = [{"index": first_call + i, **c} for i, c in enumerate(calls)]
+        choice = self._choice(index, text, ids, None, logprobs or None)
+        if tool_calls:
+            choice["delta"]["tool_calls"] = tool_calls
         return self._chunk([choice])
+
+    def _call_deltas(self, index: int, calls: list[tool_parsers.Begun]) -> list[dict]:
+        """What of the choice's calls has not gone out, as OpenAI streams
+        them: a call's first delta with its id and name, then its arguments
+        as the model writes them (each delta what follows the last)."""
+        sent, deltas = self._calls_sent.setdefault(index, []), []
+        for i, call in enumerate(calls):
+            if i == len(sent):
+                sent.append(call.arguments)
+                deltas.append({"index": i, "id": tool_parsers.call_id(), "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}})
+            elif len(call.arguments) > len(sent[i]) and call.arguments.startswith(sent[i]):
+                deltas.append({"index": i, "function": {"arguments": call.arguments[len(sent[i]):]}})
+                sent[i] = call.arguments
+        return deltas
+
+    def _parser(self) -> str | None:
+        """The format of the choices' calls: tool_choice "required"'s list or
+        the server's parser ("auto"); None where the answer is not read for calls."""
+        if not self.call.chat:
+            return None
+        return "required" if self.call.tools_required else self.call.tool_parser
 
     def delta(self, index: int, delta: tandem_pb2.TokenDelta) -> list[dict]:
         """The chunks of a delta of choice `index`: with echo, the prompt's
@@ -266,48 +287,54 @@ class Chunks:
         if self.call.echo and delta.HasField("prompt"):
             chunks.append(self._chunk([self._choice(index, _echo_text(self.call, index, delta.prompt), [], None,
                                                     _prompt_logprobs(delta.prompt))]))
-        if self.call.chat and self.call.tools_required:  # each call once its object is complete
-            calls, _, _ = tool_parsers.listed_calls(self._hold(index, delta))
-            sent = self._sent.get(index, 0)
-            if len(calls) > sent:
-                self._sent[index] = len(calls)
-                chunks.append(self._release(index, None, calls=calls[sent:], first_call=sent))
-            return chunks
-        if self.call.chat and self.call.tool_parser is not None:  # content up to a call's opening tag
-            said = self._hold(index, delta)
-            sent, ready = self._sent.get(index, 0), tool_parsers.sendable(self.call.tool_parser, said)
-            if ready > sent:
-                self._sent[index] = ready
-                chunks.append(self._release(index, said[sent:ready]))
+        parser = self._parser()
+        if parser is not None:  # content up to a call's opening tag ("auto"), calls as they are written
+            said, text = self._hold(index, delta), None
+            if parser != "required":
+                sent, ready = self._sent.get(index, 0), tool_parsers.sendable(parser, said)
+                if ready > sent:
+                    self._sent[index], text = ready, said[sent:ready]
+            tool_calls = self._call_deltas(index, tool_parsers.read(parser, said).calls)
+            if text or tool_calls:
+                chunks.append(self._release(index, text, tool_calls))
             return chunks
         if not self.call.prompt_only:
             chunks.append(self._chunk([self._choice(index, delta.text, list(delta.token_ids), None, delta.logprobs)]))
         return chunks
 
     def final(self, index: int, final: tandem_pb2.Completion) -> list[dict]:
-        """The choice's last chunks: what tool calls held back (with "auto",
-        its calls, or text that never became one; with "required" cut short,
-        the text after its complete calls), then the one with the finish
-        reason and stats."""
+        """The choice's last chunks: what the stream held back, then the one
+        with the finish reason and stats. Held back: with "auto", calls of a
+        format read whole (pythonic), or text that never became a call; with
+        "required" cut short, the text after its last complete call. A call
+        that went out stays, even where the answer then breaks off (OpenAI's
+        streams do the same: its arguments end where the model stopped)."""
         reason = _finish_reason(self.call, final)
-        chunks = []
+        parser, chunks = self._parser(), []
         said, sent = self._said.pop(index, ""), self._sent.pop(index, 0)
-        if self.call.chat and self.call.tools_required:
-            content, calls = _required_calls(said)
-            calls = (calls or [])[sent:]  # none, unless a list closed in its last delta
-            if calls or content:
-                chunks.append(self._release(index, content or None, calls=calls, first_call=sent))
-            if content is None:  # the list is whole
+        started = len(self._calls_sent.get(index, []))
+        if parser == "required":
+            reading = tool_parsers.read(parser, said)
+            if reading.closed:
                 reason = _tools_finish_reason(self.call, reason)
+            content = None if reading.closed else said if not reading.calls else \
+                said[reading.after:] if reading.calls[-1].end is not None else None
+            if content:
+                chunks.append(self._release(index, content))
         elif self.call.tool_name is not None and reason == "stop":
             reason = _tools_finish_reason(self.call, reason)
-        elif self.call.chat and self.call.tool_parser is not None:
-            _, calls = tool_parsers.parse(self.call.tool_parser, said)
+        elif parser is not None:
+            _, calls = tool_parsers.parse(parser, said)
             if calls is not None:
-                chunks.append(self._release(index, None, calls=calls))
+                tool_calls = self._call_deltas(index, [tool_parsers.Begun(c["function"]["name"],
+                                                                          c["function"]["arguments"])
+                                                       for c in calls])
+                if tool_calls:
+                    chunks.append(self._release(index, None, tool_calls))
                 reason = _tools_finish_reason(self.call, reason)
-            elif len(said) > sent:  # what was held back: a tag that never became a call
+            elif not started and len(said) > sent:  # what was held back: a tag that never became a call
                 chunks.append(self._release(index, said[sent:]))
+        self._calls_sent.pop(index, None)
         ids, logprobs = self._held.pop(index, ([], []))
         closing = self._choice(index, None if self.call.tool_name is not None else "" if self.call.chat else None,
                                ids, reason, logprobs or None)

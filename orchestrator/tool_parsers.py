@@ -29,13 +29,18 @@ keyword arguments of literal values:
     [get_weather(city="Oslo"), get_time(zone="CET")]
 
 A text that does not hold complete, well-formed calls is left as it is: its
-content, no calls."""
+content, no calls.
+
+Streamed, `read` follows the JSON formats' calls (and tool_choice "required"'s
+list) as they are written, for each call's arguments to go out as they grow;
+a call's arguments are the model's own JSON text, in whole answers too."""
 from __future__ import annotations
 
 import ast
 import json
 import re
 import uuid
+from dataclasses import dataclass, field
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -43,6 +48,7 @@ _HERMES_BLOCK = re.compile(re.escape(_HERMES_OPEN) + r"(.*?)" + re.escape(_HERME
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_TAG = "[TOOL_CALLS]"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+_DECODER = json.JSONDecoder()
 
 
 def parse(parser: str, text: str) -> tuple[str | None, list[dict] | None]:
@@ -53,6 +59,9 @@ def parse(parser: str, text: str) -> tuple[str | None, list[dict] | None]:
         return text, None
     content, calls = found
     content = content.strip()
+    written = read(parser, text).whole  # the arguments as the model wrote them, as a stream sends them
+    if [c.name for c in written] == [name for name, _ in calls]:
+        calls = [(name, c.arguments) for (name, _), c in zip(calls, written)]
     return content or None, [openai_call(name, arguments) for name, arguments in calls]
 
 
@@ -85,30 +94,143 @@ def listed_calls(text: str) -> tuple[list[dict], int, bool]:
     """tool_choice "required"'s answer, a JSON list of {"name", "parameters"}
     objects (its grammar allows nothing else), read as far as it is complete:
     (OpenAI's tool_calls of its complete objects, where the text after the
-    last of them starts, whether the list is closed). Streamed, each call goes
-    out as its object closes; cut short, the calls before the cut stand."""
-    decoder, calls, end = json.JSONDecoder(), [], 0
-    at = _skip_space(text, 0)
-    if not text.startswith("[", at):
-        return [], 0, False
-    at = _skip_space(text, at + 1)
-    while not text.startswith("]", at):
-        try:
-            value, after = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            break  # an object in the making, or cut short
-        call = _call(value, "parameters")
-        if call is None:
+    last of them starts, whether the list is closed). Cut short, the calls
+    before the cut stand."""
+    reading = read("required", text)
+    whole = reading.whole
+    return [openai_call(c.name, c.arguments) for c in whole], reading.after if whole or reading.closed else 0, \
+        reading.closed
+
+
+@dataclass
+class Begun:
+    """A call as far as the text has it: its name, its arguments as the model
+    writes them (their JSON text, which only grows), and where its object
+    ends (None while it is open)."""
+    name: str
+    arguments: str
+    end: int | None = None
+
+
+@dataclass
+class Reading:
+    """The calls of an answer so far: those begun (a name, and arguments begun
+    or the object closed), the text after the last closed one (`after`), and
+    whether the calls are closed (the list's bracket; for formats without one,
+    every begun call's object)."""
+    calls: list[Begun] = field(default_factory=list)
+    after: int = 0
+    closed: bool = False
+
+    @property
+    def whole(self) -> list[Begun]:
+        return [c for c in self.calls if c.end is not None]
+
+
+def read(parser: str, text: str) -> Reading:
+    """The calls of a streamed answer as far as they go, for their arguments
+    to go out as the model writes them ("required" is tool_choice's list).
+    The pythonic format's calls are Python, read whole: none here."""
+    if parser == "hermes":
+        reading, at = Reading(), text.find(_HERMES_OPEN)
+        while at >= 0:
+            at = _skip_space(text, at + len(_HERMES_OPEN))
+            close = text.find(_HERMES_CLOSE, at)
+            begun = _read_object(text[:close] if close >= 0 else text, at, "arguments")
+            if begun is None:
+                break
+            reading.calls.append(begun)
+            if begun.end is None or close < 0:
+                break
+            reading.after = close + len(_HERMES_CLOSE)
+            at = text.find(_HERMES_OPEN, reading.after)
+        reading.closed = bool(reading.calls) and reading.calls[-1].end is not None
+        return reading
+    if parser == "llama3_json":
+        at = _skip_space(text, 0)
+        if text.startswith(_PYTHON_TAG, at):
+            at = _skip_space(text, at + len(_PYTHON_TAG))
+        return _read_calls(text, at, "parameters", ";", None)
+    if parser == "mistral":
+        tag = text.find(_MISTRAL_TAG)
+        at = _skip_space(text, tag + len(_MISTRAL_TAG) if tag >= 0 else 0)
+        return _read_calls(text, at + 1, "arguments", ",", "]") if text.startswith("[", at) else Reading()
+    if parser == "required":
+        at = _skip_space(text, 0)
+        return _read_calls(text, at + 1, "parameters", ",", "]") if text.startswith("[", at) else Reading()
+    return Reading()
+
+
+def _read_calls(text: str, at: int, arguments_key: str, separator: str, closer: str | None) -> Reading:
+    """Call objects from text[at] on, apart by `separator`, up to `closer`
+    (None: the end of the text)."""
+    reading = Reading(after=at)
+    at = _skip_space(text, at)
+    while at < len(text):
+        if closer is not None and text.startswith(closer, at):
+            reading.closed, reading.after = True, at + 1
+            return reading
+        if not text.startswith("{", at):
             break
-        calls.append(openai_call(*call))
-        end = at = _skip_space(text, after)
+        begun = _read_object(text, at, arguments_key)
+        if begun is None:
+            break
+        reading.calls.append(begun)
+        if begun.end is None:
+            break
+        reading.after = at = _skip_space(text, begun.end)
+        if text.startswith(separator, at):
+            at = _skip_space(text, at + 1)
+        elif closer is not None and not text.startswith(closer, at):
+            break
+    reading.closed = closer is None and bool(reading.calls) and reading.calls[-1].end is not None
+    return reading
+
+
+def _read_object(text: str, at: int, arguments_key: str) -> Begun | None:
+    """The call whose JSON object opens at text[at], as far as the text goes:
+    its name and arguments once the name is read and the arguments begun.
+    None before then, or if it is not a call ({"name": a string,
+    arguments_key or "arguments": an object or a string}, as `_call` reads a
+    whole one). Whether the text is JSON at all only the whole answer tells."""
+    name = arguments = None
+
+    def so_far() -> Begun | None:
+        return Begun(name, arguments) if isinstance(name, str) and isinstance(arguments, str) else None
+
+    if not text.startswith("{", at):
+        return None
+    at = _skip_space(text, at + 1)
+    while not text.startswith("}", at):
+        try:
+            if not text.startswith('"', at):
+                raise ValueError
+            key, at = json.decoder.scanstring(text, at + 1)
+            at = _skip_space(text, at)
+            if not text.startswith(":", at):
+                raise ValueError
+        except ValueError:
+            return so_far()
+        starts = at = _skip_space(text, at + 1)
+        takes = key == arguments_key or (key == "arguments" and arguments is None)
+        try:
+            value, at = _DECODER.raw_decode(text, at)
+        except json.JSONDecodeError:  # in the making
+            if takes and isinstance(name, str) and text.startswith("{", starts):
+                return Begun(name, text[starts:])
+            return so_far()
+        if key == "name":
+            name = value
+        elif takes:
+            arguments = value if isinstance(value, str) else text[starts:at] if isinstance(value, dict) else False
+        at = _skip_space(text, at)
         if text.startswith(",", at):
             at = _skip_space(text, at + 1)
-        elif not text.startswith("]", at):
-            break
-    else:
-        return calls, at + 1, True
-    return calls, end, False
+        elif not text.startswith("}", at):
+            return so_far()
+    if not isinstance(name, str) or arguments is False:
+        return None
+    return Begun(name, "{}" if arguments is None else arguments, at + 1)
 
 
 def _skip_space(text: str, at: int) -> int:

@@ -81,29 +81,92 @@ def _required(**more):
                       "return_token_ids": True, **more})
 
 
+def _assembled(chunks) -> list[dict]:
+    """A stream's tool calls put together as a client does, by index: the
+    first delta of each has its id, type and name, later ones only more of
+    its arguments, and a new call takes the next index."""
+    calls = []
+    for chunk in chunks:
+        for tc in chunk["choices"][0]["delta"].get("tool_calls", []):
+            if tc["index"] == len(calls):
+                assert tc["id"].startswith("call_") and tc["type"] == "function" and tc["function"]["name"]
+                calls.append({"id": tc["id"], "type": "function", "function": dict(tc["function"]), "deltas": 1})
+            else:
+                assert tc["index"] == len(calls) - 1 and set(tc) == {"index", "function"}  # only the last one grows
+                assert set(tc["function"]) == {"arguments"} and tc["function"]["arguments"]
+                calls[-1]["function"]["arguments"] += tc["function"]["arguments"]
+                calls[-1]["deltas"] += 1
+    return calls
+
+
+def _auto(parser, **more):
+    return chat_call({"messages": ASK, "tools": [WEATHER, CLOCK], "stream": True, "return_token_ids": True,
+                      **more}, tool_parser=parser)
+
+
+WRITTEN = [  # (format, the model's answer, its content); the calls are CALLS
+    ("required", LISTED, None),
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris \\"Ville\\" {x}"}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "get_time"}\n</tool_call>', "Let me look."),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": [1, 2]}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Paris \\"Ville\\" {x}"}};'
+                    '{"name": "get_time", "parameters": {}}', None),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1,2]}}, '
+                '{"name": "get_weather", "arguments": {"city": "Paris \\"Ville\\" {x}"}}, '
+                '{"name": "get_time", "arguments": {}}]', None),
+]
+
+
 @pytest.mark.parametrize("size", [1, 3, 200])
-def test_a_required_list_streams_each_call_as_it_completes(size):
-    chunks = _stream(_required(), LISTED, tandem_pb2.FINISH_REASON_EOS, size)
-    calls = [(chunk_at, tc) for chunk_at, c in enumerate(chunks) for tc in c["choices"][0]["delta"].get("tool_calls", [])]
-    assert [tc["index"] for _, tc in calls] == [0, 1, 2]
-    assert _named([tc for _, tc in calls]) == CALLS
-    assert all(tc["id"].startswith("call_") and tc["type"] == "function" for _, tc in calls)
-    if size == 1:  # one call a chunk, each as its object closed: before the list did
-        assert len({chunk_at for chunk_at, _ in calls}) == 3
-    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
+@pytest.mark.parametrize("parser,text,content", WRITTEN, ids=[w[0] for w in WRITTEN])
+def test_calls_stream_their_arguments_as_the_model_writes_them(parser, text, content, size):
+    call = _required if parser == "required" else lambda **more: _auto(parser, **more)
+    chunks = _stream(call(), text, tandem_pb2.FINISH_REASON_EOS, size)
+    streamed = _assembled(chunks)
+    assert _named([c for c in streamed]) == CALLS
+    whole = _whole(call(stream=False), text, tandem_pb2.FINISH_REASON_EOS, size)
+    # The streamed arguments, put together, are the whole answer's: the model's own JSON text.
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == \
+           [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert streamed[0]["function"]["arguments"] in text and streamed[1]["function"]["arguments"] in text
+    if size == 1:  # a call goes out as its arguments begin, and they follow as they are written
+        assert streamed[0]["deltas"] == len(streamed[0]["function"]["arguments"])
+        assert streamed[1]["deltas"] > 10
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks).strip() == (content or "")
+    assert whole["message"]["content"] == content and whole["finish_reason"] == "tool_calls"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # Every token id goes out once, in order, held back text or not.
-    ids = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
-    assert ids == list(range(0, len(LISTED), size))
-    whole = _whole(_required(stream=False), LISTED, tandem_pb2.FINISH_REASON_EOS, size)
-    assert whole["message"]["content"] is None and _named(whole["message"]["tool_calls"]) == CALLS
-    assert whole["finish_reason"] == "tool_calls"
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == list(range(0, len(text), size))
 
 
-def test_a_required_list_cut_short_keeps_its_complete_calls_and_the_rest_as_text():
+@pytest.mark.parametrize("parser", ["required", "hermes"])
+def test_a_call_cut_short_in_its_arguments_stays_in_the_stream_as_far_as_it_went(parser):
+    text = dict((w[0], w[1]) for w in WRITTEN)[parser]
+    cut = text[:text.index('"Paris') + 4]
+    call = _required if parser == "required" else lambda **more: _auto(parser, **more)
+    chunks = _stream(call(), cut, tandem_pb2.FINISH_REASON_LENGTH, 2)
+    streamed = _assembled(chunks)
+    assert _named(streamed[:1]) == CALLS[:1]
+    assert streamed[1]["function"]["name"] == "get_weather"
+    assert cut.endswith(streamed[1]["function"]["arguments"]) and streamed[1]["function"]["arguments"].endswith('"Par')
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks).strip() == \
+           ("" if parser == "required" else "Let me look.")  # nothing of the calls as text
+    # Whole, the complete calls, and a call cut short is text ("required") or dropped (hermes' blocks).
+    whole = _whole(call(stream=False), cut, tandem_pb2.FINISH_REASON_LENGTH, 2)
+    assert _named(whole["message"]["tool_calls"]) == CALLS[:1]
+    if parser == "required":
+        assert whole["message"]["content"].lstrip(",\n ").startswith('{"name": "get_weather"')
+    else:
+        assert whole["message"]["content"] == "Let me look."
+    assert whole["finish_reason"] == "length"
+
+
+def test_a_required_list_cut_before_a_calls_arguments_keeps_its_complete_calls_and_the_rest_as_text():
     cut = LISTED[:LISTED.index('"get_time"') + 5]
     chunks = _stream(_required(logprobs=True), cut, tandem_pb2.FINISH_REASON_LENGTH, 4, logprobs=True)
-    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    calls = _assembled(chunks)
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert _named(calls) == CALLS[:2]
     assert content == cut[cut.index("}}, ") + 2:] and content.lstrip(", ").startswith('{"name": "get')
@@ -114,12 +177,22 @@ def test_a_required_list_cut_short_keeps_its_complete_calls_and_the_rest_as_text
     whole = _whole(_required(stream=False, logprobs=True), cut, tandem_pb2.FINISH_REASON_LENGTH, 4, logprobs=True)
     assert _named(whole["message"]["tool_calls"]) == CALLS[:2] and whole["message"]["content"] == content
     assert whole["finish_reason"] == "length"
-    # Cut before any call is complete: all of it is text, as before.
+    # Cut before any call is begun: all of it is text, as before.
     early = LISTED[:20]
     whole = _whole(_required(stream=False), early, tandem_pb2.FINISH_REASON_LENGTH)
     assert whole["message"] == {"role": "assistant", "content": early}
     chunks = _stream(_required(), early, tandem_pb2.FINISH_REASON_LENGTH)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == early
+    assert not _assembled(chunks)
+
+
+def test_a_pythonic_answer_goes_out_whole_at_its_end():
+    text = '[get_weather(city="Oslo", days=[1, 2]), get_time()]'
+    chunks = _stream(_auto("pythonic"), text, tandem_pb2.FINISH_REASON_EOS, 3)
+    streamed = _assembled(chunks)
+    assert _named(streamed) == [CALLS[0], CALLS[2]] and [c["deltas"] for c in streamed] == [1, 1]
+    assert all("tool_calls" not in c["choices"][0]["delta"] for c in chunks[:-2])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_text_held_back_by_a_tool_parser_keeps_its_token_ids_and_log_probabilities():
@@ -129,7 +202,7 @@ def test_text_held_back_by_a_tool_parser_keeps_its_token_ids_and_log_probabiliti
     chunks = _stream(call, text, tandem_pb2.FINISH_REASON_EOS, 5, logprobs=True)
     choices = [c["choices"][0] for c in chunks]
     assert "".join(ch["delta"].get("content") or "" for ch in choices) == "Let me check."
-    assert _named([tc for ch in choices for tc in ch["delta"].get("tool_calls", [])]) == [("get_time", {})]
+    assert _named(_assembled(chunks)) == [("get_time", {})]
     assert [t for ch in choices for t in ch.get("token_ids", [])] == list(range(0, len(text), 5))
     assert "".join(lp["token"] for ch in choices if ch["logprobs"] for lp in ch["logprobs"]["content"]) == text
     assert choices[-1]["finish_reason"] == "tool_calls"

@@ -443,22 +443,31 @@ def test_a_required_tool_choice_answers_a_list_of_calls(http, cluster):
                                             tools=[WEATHER, CLOCK], tool_choice="required", stream=stream)
         if stream:
             chunks = list(reply)
-            calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls
-                     for tc in c.choices[0].delta.tool_calls]
+            written = _assembled(chunks)
             content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             finish = chunks[-1].choices[0].finish_reason
         else:
             calls, content = reply.choices[0].message.tool_calls or [], reply.choices[0].message.content
+            written = [(c.function.name, c.function.arguments) for c in calls]
             finish = reply.choices[0].finish_reason
-        got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+        listed, end, closed = tool_parsers.listed_calls(expected.text)
         if expected.finish_reason == "eos":
             wanted = json.loads(expected.text)
-            assert got == [(w["name"], w["parameters"]) for w in wanted]
+            assert [(name, json.loads(arguments)) for name, arguments in written] == \
+                   [(w["name"], w["parameters"]) for w in wanted]
             assert finish == "tool_calls" and not content
-        else:  # cut by max_tokens: the calls complete before the cut, and the text after them
-            listed, end, _ = tool_parsers.listed_calls(expected.text)
-            assert got == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in listed]
-            assert content == expected.text[end:] and finish == "length"
+            assert written == [(c["function"]["name"], c["function"]["arguments"]) for c in listed]
+            continue
+        # Cut by max_tokens: the calls complete before the cut, then the text after them; streamed,
+        # a call whose arguments had begun went out as far as they went.
+        assert written[:len(listed)] == [(c["function"]["name"], c["function"]["arguments"]) for c in listed]
+        assert finish == "length"
+        if stream and len(written) > len(listed):
+            (name, arguments), = written[len(listed):]
+            assert expected.text.endswith(arguments) and name in expected.text[end:]
+            assert not content
+        else:
+            assert len(written) == len(listed) and content == expected.text[end:]
 
 
 def test_tool_messages_reach_the_template_and_bad_tool_requests_get_a_400(http):
@@ -487,6 +496,20 @@ def test_tool_messages_reach_the_template_and_bad_tool_requests_get_a_400(http):
         with pytest.raises(openai.BadRequestError) as caught:
             api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=4, **kwargs)
         assert caught.value.body["param"] == param and words in caught.value.body["message"], caught.value.body
+
+
+def _assembled(chunks) -> list[tuple[str, str]]:
+    """A stream's tool calls put together by index, as a client does: (name, arguments)."""
+    calls = []
+    for chunk in chunks:
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if tc.index == len(calls):
+                assert tc.id and tc.function.name
+                calls.append((tc.function.name, tc.function.arguments or ""))
+            else:
+                assert tc.index == len(calls) - 1 and not tc.id and not tc.function.name
+                calls[-1] = (calls[-1][0], calls[-1][1] + tc.function.arguments)
+    return calls
 
 
 def _named(calls) -> list[tuple[str, dict]]:
@@ -580,9 +603,9 @@ def test_tool_choice_auto_parses_the_calls_the_model_writes(http_tools):
                                               tools=[WEATHER, CLOCK], tool_choice="auto", stream=True,
                                               extra_body={"guided_regex": written}))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
     assert content.strip() == "Sure." and "<" not in content
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", arguments)]
+    assert _assembled(chunks) == [("get_weather", call.function.arguments)]  # the model's text, as it came
+    assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks if c.choices) > 2  # in pieces, not whole
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # An answer without a call, or with a tag that never becomes one, is text to the end.
     for regex, text in ((r"Hello", "Hello"), (r"abc<tool_", "abc<tool_")):
