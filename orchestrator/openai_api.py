@@ -32,6 +32,7 @@ class Call:
     tool_name: str | None = None  # tool_choice names this function: the answer is its call's arguments
     tools_required: bool = False  # tool_choice "required": the answer is a list of calls
     tool_parser: str | None = None  # tool_choice "auto": the calls are parsed out of the text (tool_parsers)
+    one_call: bool = False  # "parallel_tool_calls": false: at most one call ("auto" keeps the first)
 
     @property
     def request(self) -> tandem_pb2.GenerateRequest:
@@ -140,6 +141,7 @@ def chat_call(body, tool_parser: str | None = None) -> Call:
     if flag(body, "echo"):
         raise invalid("echo", "'echo' is a completion's parameter: a chat completion does not echo")
     tools, tool_name, required, parser = _tools(body, tool_parser)
+    one_call = body.get("parallel_tool_calls") is not None and not flag(body, "parallel_tool_calls")
     if tool_name is not None or required:
         if any(body.get(name) is not None for name in ("response_format", "structured_outputs", *dict(GUIDED))):
             raise invalid("tool_choice", "a tool_choice that calls a tool constrains the answer itself: "
@@ -149,7 +151,7 @@ def chat_call(body, tool_parser: str | None = None) -> Call:
         function = next(t["function"] for t in tools if t["function"]["name"] == tool_name)
         request.params.structured_output.json_schema = json.dumps(function.get("parameters") or {"type": "object"})
     elif required:
-        request.params.structured_output.json_schema = json.dumps(_calls_schema(tools))
+        request.params.structured_output.json_schema = json.dumps(_calls_schema(tools, one_call))
     if tools:
         request.messages.tools_json = json.dumps(tools)
     for i, message in enumerate(messages):
@@ -166,7 +168,7 @@ def chat_call(body, tool_parser: str | None = None) -> Call:
                     raise invalid(f"messages[{i}].{name}", f"'{name}' must be a string")
                 setattr(added, name, message[name])
     return dataclasses.replace(_common(body, True, [request]), tool_name=tool_name, tools_required=required,
-                               tool_parser=parser)
+                               tool_parser=parser, one_call=one_call)
 
 
 def _tools(body: dict, tool_parser: str | None = None) -> tuple[list[dict], str | None, bool, str | None]:
@@ -208,10 +210,11 @@ def _tools(body: dict, tool_parser: str | None = None) -> tuple[list[dict], str 
     return tools, name, False, None
 
 
-def _calls_schema(tools: list[dict]) -> dict:
-    """tool_choice "required": a JSON list of at least one call, each a tool's
-    name and its parameters, as vLLM constrains it."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+def _calls_schema(tools: list[dict], one_call: bool = False) -> dict:
+    """tool_choice "required": a JSON list of at least one call (exactly one
+    with parallel_tool_calls false), each a tool's name and its parameters,
+    as vLLM constrains it."""
+    return {"type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}), "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                           "parameters": t["function"].get("parameters") or {"type": "object"}},
          "required": ["name", "parameters"], "additionalProperties": False}

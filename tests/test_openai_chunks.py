@@ -7,6 +7,7 @@ import pytest
 
 from orchestrator import tool_parsers
 from orchestrator.openai_api import chat_call
+from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import Answer, Chunks, response
 from tandem.v1 import tandem_pb2
 
@@ -206,3 +207,25 @@ def test_text_held_back_by_a_tool_parser_keeps_its_token_ids_and_log_probabiliti
     assert [t for ch in choices for t in ch.get("token_ids", [])] == list(range(0, len(text), 5))
     assert "".join(lp["token"] for ch in choices if ch["logprobs"] for lp in ch["logprobs"]["content"]) == text
     assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed():
+    text = dict((w[0], w[1]) for w in WRITTEN)["hermes"]
+    for size in (1, 7):
+        chunks = _stream(_auto("hermes", parallel_tool_calls=False), text, tandem_pb2.FINISH_REASON_EOS, size)
+        assert _named(_assembled(chunks)) == CALLS[:1]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == list(range(0, len(text), size))
+    whole = _whole(_auto("hermes", stream=False, parallel_tool_calls=False), text, tandem_pb2.FINISH_REASON_EOS)
+    assert _named(whole["message"]["tool_calls"]) == CALLS[:1] and whole["message"]["content"] == "Let me look."
+    assert _named(_assembled(_stream(_auto("hermes", parallel_tool_calls=True), text,
+                                     tandem_pb2.FINISH_REASON_EOS))) == CALLS  # true, OpenAI's default: all of them
+
+
+def test_parallel_tool_calls_false_asks_a_required_list_of_one_and_a_bad_value_is_a_400():
+    one = json.loads(_required(parallel_tool_calls=False).request.params.structured_output.json_schema)
+    assert one["minItems"] == one["maxItems"] == 1
+    assert "maxItems" not in json.loads(_required().request.params.structured_output.json_schema)
+    with pytest.raises(ApiError) as refused:
+        _required(parallel_tool_calls="no")
+    assert refused.value.status == 400 and refused.value.param == "parallel_tool_calls"

@@ -470,6 +470,26 @@ def test_a_required_tool_choice_answers_a_list_of_calls(http, cluster):
             assert len(written) == len(listed) and content == expected.text[end:]
 
 
+def test_parallel_tool_calls_false_answers_one_call_the_target_alone_makes(http, cluster):
+    """tool_choice "required" with parallel_tool_calls false: a list of one
+    call, the one the target alone makes under that schema."""
+    from tests.test_http_api import client
+
+    from orchestrator.openai_api import _calls_schema
+
+    with cluster.client() as grpc_client:
+        expected = grpc_client.generate(messages=ASK, tools=[WEATHER, CLOCK], max_tokens=160, structured_output={
+            "json_schema": json.dumps(_calls_schema([WEATHER, CLOCK], one_call=True))})
+    assert expected.finish_reason == "eos"  # the list closed after its one call
+    (wanted,) = json.loads(expected.text)
+    reply = client(http).chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=160, temperature=0,
+                                                 tools=[WEATHER, CLOCK], tool_choice="required",
+                                                 parallel_tool_calls=False)
+    (call,) = reply.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (wanted["name"], wanted["parameters"])
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
 def test_tool_messages_reach_the_template_and_bad_tool_requests_get_a_400(http):
     import openai
 
