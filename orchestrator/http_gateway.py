@@ -22,6 +22,7 @@ from aiohttp import web
 from orchestrator.openai_api import Call, chat_call, completion_call, detokenize_request, tokenize_request
 from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import Answer, Chunks, response
+from orchestrator.openai_responses import Responses, responses_call
 from orchestrator.prefix_cache import MIN_FORK
 from tandem import serving
 from tandem.serving import MAX_MESSAGE_BYTES
@@ -51,6 +52,7 @@ class Gateway:
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/responses", self.responses),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.post("/tokenize", self.tokenize),
@@ -112,6 +114,12 @@ class Gateway:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, chat_call(await self._body(request), self.tool_call_parser))
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API, as a chat completion (orchestrator/openai_responses.py)."""
+        body = await self._body(request)
+        call = responses_call(body, self.tool_call_parser)
+        return await self._answer(request, call, Responses(body, await self.model_name()))
+
     async def models(self, request: web.Request) -> web.Response:
         name = await self.model_name()
         return web.json_response({"object": "list", "data": [
@@ -154,10 +162,11 @@ class Gateway:
         return web.json_response({"status": "ok", "target_model": info.target_model,
                                   "draft_model": info.draft_model})
 
-    async def _answer(self, request: web.Request, call: Call) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, call: Call, shape: Responses | None = None) -> web.StreamResponse:
         """One Generate call for each of the request's choices, at once; where
         they begin alike and the orchestrator reuses prefixes, the first goes
-        ahead until its first event (shares_prefix)."""
+        ahead until its first event (shares_prefix). `shape`: the answer is a
+        Response (the Responses API), not a chat completion."""
         model = await self.model_name()
         if call.model is not None and call.model != model:
             raise ApiError(404, f"the model {call.model!r} does not exist: this server serves {model!r}",
@@ -176,10 +185,11 @@ class Gateway:
                     # hold its prompt, and the others copy it instead of prefilling it.
                     streams[0] = _ahead(await anext(streams[0], None), streams[0])
             if call.stream:
-                answer = await self._stream(request, call, model, rpcs, streams)
+                answer = await self._stream(request, call, model, rpcs, streams, shape)
             else:
                 answers = await _all([_collect(events) for events in streams])
-                answer = web.json_response(response(call, model, answers))
+                whole = response(call, model, answers)
+                answer = web.json_response(whole if shape is None else shape.whole(whole))
             finished = True
             return answer
         finally:
@@ -201,15 +211,29 @@ class Gateway:
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
-    async def _stream(self, request: web.Request, call: Call, model: str, rpcs, streams) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, call: Call, model: str, rpcs, streams,
+                      shape: Responses | None = None) -> web.StreamResponse:
         """Server-sent events. Each choice's first event is awaited before the
         response starts, so that a refused request still gets its HTTP status;
         an error after that comes as a chunk {"error": ...}, then [DONE]. The
-        choices' chunks go out as their rounds commit, interleaved."""
+        choices' chunks go out as their rounds commit, interleaved. With
+        `shape`, each chunk goes out as the Response stream's events (which
+        end with response.completed, no [DONE])."""
         firsts = await _all([anext(events, None) for events in streams])
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         chunks = Chunks(call, model)
+        events = None if shape is None else shape.events()
+
+        async def send(chunk: dict) -> None:
+            if events is None:
+                await _send(out, chunk)
+                return
+            for event in events.chunk(chunk):
+                await _send(out, event, event["type"])
+
+        for event in events.start() if events is not None else ():
+            await _send(out, event, event["type"])
         started = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -237,17 +261,24 @@ class Gateway:
                     ended += 1
                 elif event.HasField("delta"):
                     for chunk in chunks.delta(index, event.delta):
-                        await _send(out, chunk)
+                        await send(chunk)
                 else:
                     finals[index] = event.final
                     for chunk in chunks.final(index, event.final):
-                        await _send(out, chunk)
+                        await send(chunk)
             if call.include_usage and len(finals) == call.choices:
-                await _send(out, chunks.usage([finals[i] for i in range(call.choices)]))
+                await send(chunks.usage([finals[i] for i in range(call.choices)]))
         except grpc.aio.AioRpcError as err:
             for rpc in rpcs:  # the other choices' generations too: the answer is over
                 rpc.cancel()
-            await _send(out, ApiError.from_rpc(err).body())
+            error = ApiError.from_rpc(err).body()
+            if events is None:
+                await _send(out, error)
+            else:
+                for event in events.error(error):
+                    await _send(out, event, event["type"])
+                await out.write_eof()
+                return out
         except (ConnectionResetError, asyncio.CancelledError):
             # The caller cancels the generations; what they committed stays committed.
             log.info("client went away after %.1f s; cancelling its generation", time.monotonic() - started)
@@ -255,6 +286,11 @@ class Gateway:
         finally:
             for task in pumps:
                 task.cancel()
+        if events is not None:
+            for event in events.end():
+                await _send(out, event, event["type"])
+            await out.write_eof()
+            return out
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -314,8 +350,9 @@ async def _all(awaitables) -> list:
         raise
 
 
-async def _send(out: web.StreamResponse, payload: dict) -> None:
-    await out.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+async def _send(out: web.StreamResponse, payload: dict, event: str | None = None) -> None:
+    named = f"event: {event}\n".encode() if event else b""
+    await out.write(named + b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
 
 async def start(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -1,0 +1,318 @@
+"""OpenAI's Responses API (POST /v1/responses) on top of the chat completions
+translation: a request becomes a chat completion's body (openai_api.chat_call),
+and its answer, whole or streamed, becomes a Response object or the Response
+stream's events. So everything a chat completion does (greedy equal to the
+target alone, sampling, structured output, tools, prefix reuse) holds here too.
+
+Tandem keeps no responses: a request carries its whole conversation in
+`input`, `previous_response_id`, `conversation` and `background` are refused,
+and every Response says `"store": false`."""
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+
+from orchestrator.openai_api import Call, chat_call
+from orchestrator.openai_params import flag, invalid
+
+# Passed to the chat completion as they are (OpenAI's and vLLM's sampling parameters).
+PASSED = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+          "logit_bias", "stop", "parallel_tool_calls", "stream", "user")
+REFUSED = {
+    "previous_response_id": "Tandem keeps no responses; send the whole conversation as 'input'",
+    "conversation": "Tandem keeps no conversations; send the whole conversation as 'input'",
+    "prompt": "Tandem keeps no prompt templates; send the prompt as 'input'",
+}
+# Echoed in the Response as the request gave them.
+ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "top_p",
+          "tool_choice", "tools", "text", "user")
+
+
+def responses_call(body, tool_parser: str | None = None) -> Call:
+    """The chat completion that answers a Responses request."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    for name, why in REFUSED.items():
+        if body.get(name) is not None:
+            raise invalid(name, f"'{name}' is not supported: {why}")
+    if flag(body, "background"):
+        raise invalid("background", "'background' is not supported: Tandem keeps no responses to poll")
+    chat = {name: body[name] for name in PASSED if name in body}
+    chat["messages"] = _messages(body)
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools") is not None:
+        if not isinstance(body["tools"], list):
+            raise invalid("tools", "'tools' must be a list of tools")
+        chat["tools"] = [_tool(i, tool) for i, tool in enumerate(body["tools"])]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise invalid("text", "'text' must be an object, as {\"format\": {\"type\": \"json_schema\", ...}}")
+        if text.get("format") is not None:
+            chat["response_format"] = _format(text["format"])
+    if flag(chat, "stream"):
+        chat["stream_options"] = {"include_usage": True}  # the last event's Response has the usage
+    return chat_call(chat, tool_parser)
+
+
+def _messages(body: dict) -> list[dict]:
+    """`instructions` and `input` as a chat completion's messages."""
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise invalid("instructions", "'instructions' must be a string")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise invalid("input", "'input' must be a string or a non-empty list of items")
+    for i, item in enumerate(items):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise invalid(f"input[{i}].role", "a message's 'role' must be 'user', 'assistant', 'system' "
+                                                  "or 'developer'")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text(f"input[{i}].content", item.get("content"))})
+        elif kind == "function_call":
+            for name in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(name), str):
+                    raise invalid(f"input[{i}].{name}", f"a function_call's '{name}' must be a string")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # the calls of the answer before
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise invalid(f"input[{i}].call_id", "a function_call_output's 'call_id' must be a string")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(f"input[{i}].output", item.get("output"))})
+        else:
+            raise invalid(f"input[{i}]", f"input items of type {kind!r} are not supported: give messages "
+                                         "(text), function_call and function_call_output items")
+    return messages
+
+
+def _text(param: str, content) -> str:
+    """A message's content: a string, or text parts (input_text, output_text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise invalid(f"{param}[{j}]", "content parts must be text ({\"type\": \"input_text\", "
+                                               "\"text\": ...}); images and files are not supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(param, "content must be a string or a list of text parts")
+
+
+def _tool(i: int, tool) -> dict:
+    """A Responses function tool ({"type": "function", "name", "parameters",
+    ...}) as a chat completion's ({"type": "function", "function": {...}})."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise invalid(f"tools[{i}]", f"only function tools are supported, not {kind!r}")
+    if isinstance(tool.get("function"), dict):  # already a chat completion's
+        return tool
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                             if tool.get(k) is not None}}
+
+
+def _tool_choice(choice):
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                                 "{\"type\": \"function\", \"name\": ...}")
+
+
+def _format(fmt) -> dict:
+    """text.format as a chat completion's response_format."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise invalid("text.format.schema", "a json_schema format needs a 'schema' (an object)")
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    raise invalid("text.format", "'text.format.type' must be 'text', 'json_object' or 'json_schema'")
+
+
+def _usage(usage: dict | None) -> dict | None:
+    if usage is None:
+        return None
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+
+
+def _message_item(text: str, status: str) -> dict:
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": status, "call_id": call_id,
+            "name": name, "arguments": arguments}
+
+
+def _ending(finish_reason: str | None) -> tuple[str, dict | None]:
+    """(the Response's status, its incomplete_details) after a choice's finish reason."""
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+class Responses:
+    """One request's Response: whole (from a chat completion's answer) or
+    streamed (`events`)."""
+
+    def __init__(self, body: dict, model: str):
+        self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
+        self.echoed = {name: body.get(name) for name in ECHOED}
+        self.echoed["tools"] = self.echoed["tools"] or []
+        self.echoed["tool_choice"] = self.echoed["tool_choice"] or "auto"
+        self.echoed["parallel_tool_calls"] = self.echoed["parallel_tool_calls"] is not False
+        self.echoed["text"] = self.echoed["text"] or {"format": {"type": "text"}}
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None,
+                 incomplete: dict | None = None) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": incomplete, "model": self.model, "output": output,
+                "usage": usage, "store": False, "truncation": "disabled", "background": False,
+                **self.echoed}
+
+    def whole(self, chat: dict) -> dict:
+        """The Response of a chat completion's answer (openai_response.response)."""
+        choice = chat["choices"][0]
+        message = choice["message"]
+        status, incomplete = _ending(choice["finish_reason"])
+        calls = message.get("tool_calls") or []
+        output = [_message_item(message["content"] or "", status)] if message.get("content") or not calls else []
+        output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
+                   for c in calls]
+        return {**self.response(status, output, _usage(chat.get("usage")), incomplete), "tandem": chat.get("tandem")}
+
+    def events(self) -> ResponseEvents:
+        return ResponseEvents(self)
+
+
+class ResponseEvents:
+    """A streamed chat completion's chunks (openai_response.Chunks) as the
+    Response stream's events: response.created, then each output item
+    (a message's text deltas, a function call's argument deltas) added,
+    grown and done in turn, then response.completed (or .incomplete)."""
+
+    def __init__(self, responses: Responses):
+        self.responses = responses
+        self.sequence = 0
+        self.output: list[dict] = []
+        self.open = False  # the last item is still growing
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(fields)}
+        self.sequence += 1
+        return event
+
+    def start(self) -> list[dict]:
+        response = self.responses.response("in_progress", [])
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        """The events of one chat completion chunk."""
+        if chunk.get("usage") is not None:
+            self.usage = _usage(chunk["usage"])
+        events = []
+        for choice in chunk["choices"]:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                events += self._arguments(call)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _add(self, item: dict) -> list[dict]:
+        events = self._close("completed")
+        self.output.append(item)
+        self.open = True
+        return [*events, self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+
+    def _add_message(self) -> list[dict]:
+        item = _message_item("", "in_progress")
+        return [*self._add(item), self._event("response.content_part.added", item_id=item["id"],
+                                              output_index=len(self.output) - 1, content_index=0,
+                                              part=item["content"][0])]
+
+    def _text(self, text: str) -> list[dict]:
+        events = [] if self.open and self.output[-1]["type"] == "message" else self._add_message()
+        item = self.output[-1]
+        item["content"][0]["text"] += text
+        events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=len(self.output) - 1,
+                                  content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def _arguments(self, call: dict) -> list[dict]:
+        """A tool call's delta: its first (id and name) adds a function_call item."""
+        events, arguments = [], call["function"].get("arguments") or ""
+        if "id" in call:
+            events += self._add(_call_item(call["id"], call["function"]["name"], "", "in_progress"))
+        item = self.output[-1]
+        if arguments:
+            item["arguments"] += arguments
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=len(self.output) - 1, delta=arguments))
+        return events
+
+    def _close(self, status: str) -> list[dict]:
+        """The events that end the growing item, if one is."""
+        if not self.open:
+            return []
+        self.open = False
+        item, at = self.output[-1], len(self.output) - 1
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
+                                  text=part["text"], logprobs=[]),
+                      self._event("response.content_part.done", item_id=item["id"], output_index=at,
+                                  content_index=0, part=part)]
+        else:
+            events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                                  name=item["name"], arguments=item["arguments"])]
+        return [*events, self._event("response.output_item.done", output_index=at, item=item)]
+
+    def end(self) -> list[dict]:
+        """The last events, after the answer's last chunk: the Response, whole."""
+        status, incomplete = _ending(self.finish_reason)
+        events = []
+        if not self.output:  # nothing said: an empty message
+            events += self._add_message()
+        events += self._close(status)
+        final = self.responses.response(status, self.output, self.usage, incomplete)
+        return [*events, self._event(f"response.{status}", response=final)]
+
+    def error(self, body: dict) -> list[dict]:
+        """An error after the stream began (`body` is OpenAI's error body)."""
+        error = body.get("error", {})
+        return [self._event("error", code=error.get("code"), message=error.get("message", ""),
+                            param=error.get("param"))]
