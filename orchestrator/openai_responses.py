@@ -225,6 +225,7 @@ class ResponseEvents:
         self.open = False  # the last item is still growing
         self.finish_reason: str | None = None
         self.usage: dict | None = None
+        self.stats: dict | None = None  # the speculation stats of the chat completion's last chunk
 
     def _event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(fields)}
@@ -240,6 +241,8 @@ class ResponseEvents:
         """The events of one chat completion chunk."""
         if chunk.get("usage") is not None:
             self.usage = _usage(chunk["usage"])
+        if chunk.get("tandem") is not None:
+            self.stats = chunk["tandem"]
         events = []
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
@@ -308,7 +311,7 @@ class ResponseEvents:
         if not self.output:  # nothing said: an empty message
             events += self._add_message()
         events += self._close(status)
-        final = self.responses.response(status, self.output, self.usage, incomplete)
+        final = {**self.responses.response(status, self.output, self.usage, incomplete), "tandem": self.stats}
         return [*events, self._event(f"response.{status}", response=final)]
 
     def error(self, body: dict) -> list[dict]:

@@ -29,18 +29,27 @@ def _events(stream) -> list:
     return events
 
 
-@pytest.mark.parametrize("max_tokens", [12, 200])
-def test_a_response_says_what_the_chat_completion_and_the_target_alone_say(http, cluster, max_tokens):  # noqa: F811
+@pytest.mark.parametrize("formatted,status", [(False, "incomplete"), (True, "completed")],
+                         ids=["cut-by-max-tokens", "ended-by-a-json-schema"])
+def test_a_response_says_what_the_chat_completion_and_the_target_alone_say(http, cluster, formatted,  # noqa: F811
+                                                                             status):
+    """Free text cut by max_output_tokens (the tiny model writes no end token
+    in 60), and JSON under a schema, which ends."""
     api = client(http)
     messages = [{"role": "system", "content": INSTRUCTIONS}, *ASK]
+    max_tokens = 60
+    grammar = {"structured_output": {"json_schema": json.dumps(SCHEMA)}} if formatted else {}
+    fmt = {"text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}} if formatted else {}
     with cluster.client() as grpc_client:
-        expected = grpc_client.generate(messages=messages, max_tokens=max_tokens)
-    chat = api.chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=max_tokens, temperature=0)
+        expected = grpc_client.generate(messages=messages, max_tokens=max_tokens, **grammar)
+    assert status == ("completed" if expected.finish_reason == "eos" else "incomplete")
+    chat = api.chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=max_tokens, temperature=0,
+                                       **({"response_format": {"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": SCHEMA}}} if formatted else {}))
     assert chat.choices[0].message.content == expected.text
-    status = "completed" if expected.finish_reason == "eos" else "incomplete"
 
     whole = api.responses.create(model="tandem-tiny", instructions=INSTRUCTIONS, input=ASK[0]["content"],
-                                 max_output_tokens=max_tokens, temperature=0)
+                                 max_output_tokens=max_tokens, temperature=0, **fmt)
     assert whole.object == "response" and whole.id.startswith("resp_") and whole.status == status
     assert whole.output_text == expected.text
     assert (whole.incomplete_details is None) == (status == "completed")
@@ -54,7 +63,7 @@ def test_a_response_says_what_the_chat_completion_and_the_target_alone_say(http,
     events = _events(api.responses.create(model="tandem-tiny", instructions=INSTRUCTIONS,
                                           input=[{"role": "user", "content": [{"type": "input_text",
                                                                                "text": ASK[0]["content"]}]}],
-                                          max_output_tokens=max_tokens, temperature=0, stream=True))
+                                          max_output_tokens=max_tokens, temperature=0, stream=True, **fmt))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert "".join(deltas) == expected.text and len(deltas) > 1  # as the rounds commit
     assert [e.text for e in events if e.type == "response.output_text.done"] == [expected.text]
@@ -62,6 +71,15 @@ def test_a_response_says_what_the_chat_completion_and_the_target_alone_say(http,
     assert events[-1].type == f"response.{status}" and final.status == status
     assert final.output_text == expected.text and final.id == events[0].response.id
     assert final.usage.output_tokens == len(expected.token_ids)
+    assert final.tandem["rounds"] > 0  # the speculation stats, as a chat completion's last chunk has them
+    # The client's own accumulation of the events (responses.stream) comes to the same Response.
+    # (Its get_final_response wants response.completed; cut short, the stream ends with response.incomplete.)
+    with api.responses.stream(model="tandem-tiny", instructions=INSTRUCTIONS, input=ASK[0]["content"],
+                              max_output_tokens=max_tokens, temperature=0, **fmt) as stream:
+        seen = list(stream)
+        accumulated = stream.get_final_response() if status == "completed" else seen[-1].response
+    assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == expected.text
+    assert accumulated.output_text == expected.text and accumulated.status == status
 
 
 def test_function_calls_and_their_outputs_in_the_input_reach_the_chat_template(http, cluster):  # noqa: F811
