@@ -129,6 +129,29 @@ def _content(i: int, content) -> str:
     raise invalid(f"messages[{i}].content", "a message's 'content' must be a string or a list of text parts")
 
 
+def _template_options(body: dict, messages: tandem_pb2.ChatMessages) -> None:
+    """vLLM's chat template options: continue_final_message (with
+    add_generation_prompt false, as vLLM asks) and chat_template_kwargs."""
+    continues = flag(body, "continue_final_message")
+    adds = body.get("add_generation_prompt")
+    if adds is not None and not isinstance(adds, bool):
+        raise invalid("add_generation_prompt", f"'add_generation_prompt' must be true or false, not {adds!r}")
+    if continues and adds:
+        raise invalid("add_generation_prompt", "'continue_final_message' continues the last message: send "
+                                               "'add_generation_prompt': false with it")
+    if adds is False and not continues:
+        raise invalid("add_generation_prompt", "'add_generation_prompt': false is supported with "
+                                               "'continue_final_message': true only (the reply continues the last "
+                                               "message)")
+    messages.continue_final_message = continues
+    variables = body.get("chat_template_kwargs")
+    if variables is not None:
+        if not isinstance(variables, dict):
+            raise invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object of the chat "
+                                                  "template's variables")
+        messages.chat_template_kwargs_json = json.dumps(variables)
+
+
 def chat_call(body, tool_parser: str | None = None) -> Call:
     """POST /v1/chat/completions: the whole conversation, rendered by the
     orchestrator with the model's chat template. tool_parser: the server's
@@ -154,6 +177,7 @@ def chat_call(body, tool_parser: str | None = None) -> Call:
         request.params.structured_output.json_schema = json.dumps(_calls_schema(tools, one_call))
     if tools:
         request.messages.tools_json = json.dumps(tools)
+    _template_options(body, request.messages)
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise invalid(f"messages[{i}]", "each message must be an object with a 'role'")
@@ -229,6 +253,8 @@ def tokenize_request(body) -> tandem_pb2.TokenizeRequest:
     request = tandem_pb2.TokenizeRequest()
     if body.get("messages") is not None:
         chat = {"messages": body["messages"]}
+        chat.update({k: body[k] for k in ("continue_final_message", "add_generation_prompt", "chat_template_kwargs")
+                     if k in body})
         if body.get("tools"):
             chat.update(tools=body["tools"], tool_choice="none")
         request.messages.CopyFrom(chat_call(chat).request.messages)

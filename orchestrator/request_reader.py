@@ -134,6 +134,33 @@ def read_tools(text: str) -> list[dict] | None:
     return tools or None
 
 
+# apply_chat_template's own parameters, and what it gives the template itself: not a template variable.
+_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                       "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                       "tokenizer_kwargs"})
+
+
+def template_variables(text: str) -> dict | None:
+    """ChatMessages.chat_template_kwargs_json, checked: a JSON object of
+    variables for the chat template, none of apply_chat_template's own
+    parameters."""
+    if not text:
+        return None
+    try:
+        variables = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"chat_template_kwargs_json is not valid JSON: {err}") from None
+    if not isinstance(variables, dict):
+        raise ValueError("chat_template_kwargs must be a JSON object of the template's variables")
+    taken = sorted(_RESERVED & set(variables))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")
+    if not all(name.isidentifier() for name in variables):
+        raise ValueError("chat_template_kwargs' names must be template variable names")
+    return variables or None
+
+
 def template_calls(index: int, text: str) -> list[dict]:
     """An assistant message's tool_calls_json, for the chat template: each
     call's arguments as an object where they are a JSON object's text (the

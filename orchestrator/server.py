@@ -14,7 +14,7 @@ from orchestrator.generation import EngineConfig, Generation, RequestParams, Tur
 from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
-from orchestrator.request_reader import RequestReader, read_tools
+from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
@@ -196,9 +196,12 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             elif kind == "messages":
                 messages = self.reader.messages(request.messages.messages)
                 tools = read_tools(request.messages.tools_json)
-                if tools and request.keep_session:
-                    raise ValueError("tools are for stateless requests: a session kept for Chat has none")
-                prompt = self.template.first_turn(messages, tools)
+                variables = template_variables(request.messages.chat_template_kwargs_json)
+                continues = request.messages.continue_final_message
+                if request.keep_session and (tools or variables or continues):
+                    raise ValueError("tools, chat_template_kwargs and continue_final_message are for stateless "
+                                     "requests: a session kept for Chat renders its turns without them")
+                prompt = self.template.first_turn(messages, tools, continues, variables)
             else:
                 prompt = self.reader.check_ids(list(request.token_ids.ids))
             if not prompt:
@@ -317,9 +320,10 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                 return tandem_pb2.TokenizeReply(token_ids=ids, text=self.tokenizer.decode(ids))
             if kind == "messages":
                 messages = self.reader.messages(request.messages.messages)
-                tools = read_tools(request.messages.tools_json)
-                return tandem_pb2.TokenizeReply(token_ids=self.template.first_turn(messages, tools),
-                                                text=self.template.first_turn_text(messages, tools))
+                options = (read_tools(request.messages.tools_json), request.messages.continue_final_message,
+                           template_variables(request.messages.chat_template_kwargs_json))
+                text = self.template.first_turn_text(messages, *options)
+                return tandem_pb2.TokenizeReply(token_ids=self.template.first_turn(messages, *options), text=text)
             self.reader.need_tokenizer("a text")
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             return tandem_pb2.TokenizeReply(token_ids=self.tokenizer.encode(request.text, add_special_tokens=special),

@@ -59,28 +59,36 @@ class ChatTemplate:
     def available(self) -> bool:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                continue_final_message: bool = False, variables: dict | None = None) -> str:
         """The template's text; ValueError with the template's words where it
         refuses the messages (roles out of order, say). `tools`: OpenAI's
-        function tools, which the template shows the model."""
+        function tools, which the template shows the model.
+        `continue_final_message`: the text ends with the last message's
+        content (no generation prompt); `variables`: more for the template."""
         from jinja2 import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
-            )
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                tools=tools, continue_final_message=continue_final_message, **(variables or {}))
         except TemplateError as err:
             raise ValueError(f"the model's chat template refused the messages: {err}") from err
+        except ValueError as err:  # continue_final_message: the last message's content is not in the text
+            raise ValueError(f"the chat template cannot continue the last message: {err}") from err
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def first_turn_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """A conversation as its first turn's prompt: with the assistant's prompt."""
-        return self._render(messages, add_generation_prompt=True, tools=tools)
+    def first_turn_text(self, messages: list[dict], tools: list[dict] | None = None,
+                        continue_final_message: bool = False, variables: dict | None = None) -> str:
+        """A conversation as its first turn's prompt: with the assistant's
+        prompt, or up to the end of its last message, which the reply continues."""
+        return self._render(messages, True, tools, continue_final_message, variables)
 
-    def first_turn(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self._encode(self.first_turn_text(messages, tools))
+    def first_turn(self, messages: list[dict], tools: list[dict] | None = None,
+                   continue_final_message: bool = False, variables: dict | None = None) -> list[int]:
+        return self._encode(self.first_turn_text(messages, tools, continue_final_message, variables))
 
     def next_turn(self, history: list[dict], user: dict, ended_with: list[int]) -> list[int]:
         """Tokens after the committed ones for a new user turn. `history` ends with

@@ -85,15 +85,21 @@ class TandemClient:
 
     def generate_stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None,
                         keep_session: bool = False, messages: list[dict] | None = None,
-                        tools: list[dict] | None = None, **params) -> Iterator[tandem_pb2.GenerateEvent]:
+                        tools: list[dict] | None = None, continue_final_message: bool = False,
+                        chat_template_kwargs: dict | None = None, **params) -> Iterator[tandem_pb2.GenerateEvent]:
         """Streams a completion of the prompt: text, token ids, or a conversation
         (`messages`, dicts with role and content, and OpenAI's tool_calls,
         tool_call_id and name where they have them, rendered by the server's
         chat template; `tools`, OpenAI's function tools, shown to the model by
-        the template)."""
+        the template; `continue_final_message`, the reply continues the last
+        message; `chat_template_kwargs`, more variables for the template)."""
         request = tandem_pb2.GenerateRequest(params=params_message(**params), keep_session=keep_session)
         if tools:
             request.messages.tools_json = json.dumps(tools)
+        if continue_final_message:
+            request.messages.continue_final_message = True
+        if chat_template_kwargs:
+            request.messages.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
         return self._call(self.stub.Generate, _with_input(request, prompt, prompt_ids, messages))
 
     def generate(self, *args, **kwargs) -> Result:

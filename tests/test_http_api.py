@@ -523,3 +523,61 @@ def test_the_http_probe_sends_each_request_both_ways_and_gets_the_same_tokens(ch
         row = result["modes"][way]
         assert row["requests"] == 4 and row["identical"] == 4 and row["tok_s"] > 0
         assert len(result["runs"][way]) == 4 and all(r["wall_s"] >= r["generation_s"] > 0 for r in result["runs"][way])
+
+
+def test_a_reply_continues_the_assistants_last_message_when_asked(http, char_models):
+    """vLLM's continue_final_message: the prompt is the template's text up to
+    the end of the last message's content (HF's apply_chat_template with it),
+    and the reply equals the target alone's continuation of that, over HTTP,
+    /tokenize and gRPC."""
+    import grpc
+
+    cluster, base, tokenizer = http
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Well, it"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("assistant: Well, it") and text != tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    expected = reference_greedy(char_models["target"], prompt, 20)
+    continuing = {"continue_final_message": True, "add_generation_prompt": False}
+    answer = client(base).chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=20, temperature=0,
+                                                  extra_body={**continuing, "return_token_ids": True})
+    assert answer.choices[0].token_ids == expected and answer.usage.prompt_tokens == len(prompt)
+    request = urllib.request.Request(base + "/tokenize", data=json.dumps({"messages": messages, **continuing}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert json.load(reply)["tokens"] == prompt
+    with cluster.client() as grpc_client:
+        assert grpc_client.generate(messages=messages, max_tokens=20, continue_final_message=True).token_ids == expected
+        with pytest.raises(grpc.RpcError) as refused:  # a session kept for Chat renders its turns without it
+            grpc_client.generate(messages=messages, max_tokens=4, continue_final_message=True, keep_session=True)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stateless" in refused.value.details()
+    # The template's variables reach it; its own parameters are not variables.
+    answer = client(base).chat.completions.create(model="tandem-tiny", messages=messages[:1], max_tokens=3,
+                                                  temperature=0, extra_body={"chat_template_kwargs": {"unused": 1}})
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(tokenizer.apply_chat_template(
+        messages[:1], tokenize=False, add_generation_prompt=True)))
+    for extra, param, words in [
+        ({"chat_template_kwargs": {"tokenize": True}}, None, "may not set tokenize"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
+        ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt", "false"),
+        ({"add_generation_prompt": False}, "add_generation_prompt", "continue_final_message"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(base).chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=3,
+                                                 extra_body=extra)
+        assert words in refused.value.body["message"] and refused.value.body["param"] == param, refused.value.body
+
+
+def test_chat_template_kwargs_are_the_templates_variables(char_models):
+    from orchestrator.text import ChatTemplate
+
+    tokenizer = AutoTokenizer.from_pretrained(char_models["target"])
+    tokenizer.chat_template = "{% if brief %}brief: {% endif %}" + tokenizer.chat_template
+    template = ChatTemplate(tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.first_turn_text(messages, variables={"brief": True}) == "brief: user: hi\nassistant: "
+    assert template.first_turn_text(messages) == "user: hi\nassistant: "
+    assert template.first_turn_text([*messages, {"role": "assistant", "content": "Ho"}],
+                                    continue_final_message=True) == "user: hi\nassistant: Ho"
