@@ -24,9 +24,10 @@ REFUSED = {
     "conversation": "Tandem keeps no conversations; send the whole conversation as 'input'",
     "prompt": "Tandem keeps no prompt templates; send the prompt as 'input'",
 }
+LOGPROBS = "message.output_text.logprobs"  # `include`: each output token's log probability
 # Echoed in the Response as the request gave them.
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "top_p",
-          "tool_choice", "tools", "text", "user")
+          "tool_choice", "tools", "text", "user", "top_logprobs")
 
 
 def responses_call(body, tool_parser: str | None = None) -> Call:
@@ -54,6 +55,12 @@ def responses_call(body, tool_parser: str | None = None) -> Call:
             raise invalid("text", "'text' must be an object, as {\"format\": {\"type\": \"json_schema\", ...}}")
         if text.get("format") is not None:
             chat["response_format"] = _format(text["format"])
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise invalid("include", "'include' must be a list")
+    if LOGPROBS in include or body.get("top_logprobs") is not None:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
     if flag(chat, "stream"):
         chat["stream_options"] = {"include_usage": True}  # the last event's Response has the usage
     return chat_call(chat, tool_parser)
@@ -134,8 +141,10 @@ def _tool(i: int, tool) -> dict:
 def _tool_choice(choice):
     if choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name", (choice.get("function") or {}).get("name"))  # flat, or as chat completions write it
+        if isinstance(name, str):
+            return {"type": "function", "function": {"name": name}}
     raise invalid("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
                                  "{\"type\": \"function\", \"name\": ...}")
 
@@ -161,9 +170,15 @@ def _usage(usage: dict | None) -> dict | None:
             "total_tokens": usage["total_tokens"]}
 
 
-def _message_item(text: str, status: str) -> dict:
+def _message_item(text: str, status: str, logprobs: list | None = None) -> dict:
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _logprobs(choice: dict) -> list:
+    """A chat choice's (or chunk's) token log probabilities, in the layout
+    output_text takes them (the same: token, logprob, bytes, top_logprobs)."""
+    return list((choice.get("logprobs") or {}).get("content") or [])
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -203,7 +218,8 @@ class Responses:
         message = choice["message"]
         status, incomplete = _ending(choice["finish_reason"])
         calls = message.get("tool_calls") or []
-        output = [_message_item(message["content"] or "", status)] if message.get("content") or not calls else []
+        output = [_message_item(message["content"] or "", status, _logprobs(choice))] \
+            if message.get("content") or not calls else []
         output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
                    for c in calls]
         return {**self.response(status, output, _usage(chat.get("usage")), incomplete), "tandem": chat.get("tandem")}
@@ -247,7 +263,7 @@ class ResponseEvents:
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], _logprobs(choice))
             for call in delta.get("tool_calls") or []:
                 events += self._arguments(call)
             if choice.get("finish_reason") is not None:
@@ -266,12 +282,13 @@ class ResponseEvents:
                                               output_index=len(self.output) - 1, content_index=0,
                                               part=item["content"][0])]
 
-    def _text(self, text: str) -> list[dict]:
+    def _text(self, text: str, logprobs: list) -> list[dict]:
         events = [] if self.open and self.output[-1]["type"] == "message" else self._add_message()
         item = self.output[-1]
         item["content"][0]["text"] += text
+        item["content"][0]["logprobs"] += logprobs
         events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=len(self.output) - 1,
-                                  content_index=0, delta=text, logprobs=[]))
+                                  content_index=0, delta=text, logprobs=logprobs))
         return events
 
     def _arguments(self, call: dict) -> list[dict]:
@@ -296,7 +313,7 @@ class ResponseEvents:
         if item["type"] == "message":
             part = item["content"][0]
             events = [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
-                                  text=part["text"], logprobs=[]),
+                                  text=part["text"], logprobs=part["logprobs"]),
                       self._event("response.content_part.done", item_id=item["id"], output_index=at,
                                   content_index=0, part=part)]
         else:

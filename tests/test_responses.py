@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from tests.test_http_api import client
+from tests.test_logprobs import ATOL
 from tests.test_structured import ASK, CLOCK, SCHEMA, WEATHER, cluster, http, models  # noqa: F401 (fixtures)
 
 INSTRUCTIONS = "Answer briefly."
@@ -209,3 +210,32 @@ def test_text_then_calls_stream_as_a_message_item_then_function_call_items():
     streamed["output"][0]["content"][0]["text"] = "Let me look."
     strip = lambda items: [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]  # noqa: E731
     assert strip(whole["output"]) == strip(streamed["output"])
+
+
+def test_log_probabilities_are_the_chat_completions_whole_or_streamed(http, cluster):  # noqa: F811
+    api = client(http)
+    chat = api.chat.completions.create(model="tandem-tiny", messages=ASK, max_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+
+    def listed(entries):
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in entries]
+
+    def same(got, wanted):
+        """The same tokens, and log probabilities as a verify's rows give them
+        (their last bits follow how a round split the block: ATOL)."""
+        assert [(t, [a for a, _ in top]) for t, _, top in got] == [(t, [a for a, _ in top]) for t, _, top in wanted]
+        values = lambda entries: [v for _, lp, top in entries for v in (lp, *(b for _, b in top))]  # noqa: E731
+        assert values(got) == pytest.approx(values(wanted), abs=ATOL)
+
+    wanted = listed(chat.choices[0].logprobs.content)
+    assert len(wanted) == 10 and all(len(top) == 2 for _, _, top in wanted)
+    body = dict(model="tandem-tiny", input=ASK[0]["content"], max_output_tokens=10, temperature=0, top_logprobs=2,
+                include=["message.output_text.logprobs"])
+    whole = api.responses.create(**body)
+    same(listed(whole.output[0].content[0].logprobs), wanted)
+    events = _events(api.responses.create(**body, stream=True))
+    streamed = listed([t for e in events if e.type == "response.output_text.delta" for t in e.logprobs])
+    same(streamed, wanted)
+    assert listed(events[-1].response.output[0].content[0].logprobs) == streamed
+    plain = api.responses.create(model="tandem-tiny", input=ASK[0]["content"], max_output_tokens=10, temperature=0)
+    assert plain.output[0].content[0].logprobs == []  # not asked, none
