@@ -315,7 +315,7 @@ def shares_prefix(call: Call) -> bool:
         return len(os.path.commonprefix([list(p.token_ids.ids) for p in prompts])) > MIN_FORK
     if all(p.WhichOneof("prompt") == "text" for p in prompts):
         return len(os.path.commonprefix([p.text for p in prompts])) >= SHARED_TEXT
-    return call.n > 1 and prompts[0].WhichOneof("prompt") == "messages"  # a chat template's prompt
+    return call.n > 1 and prompts[0].WhichOneof("prompt") in ("messages", "fill")  # a template's prompt
 
 
 async def _ahead(first, events):

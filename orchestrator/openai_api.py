@@ -87,7 +87,8 @@ def completion_call(body) -> Call:
     Generate call (and n of them), its choices at index p * n + i. "echo"
     returns each prompt before its completion, with "logprobs" its tokens'
     (the first's is null); "max_tokens": 0 with it, the prompt alone, as
-    lm-evaluation-harness's loglikelihood requests ask."""
+    lm-evaluation-harness's loglikelihood requests ask. "suffix": the
+    completion fills in between each text prompt and it (orchestrator/fim.py)."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     prompt = body.get("prompt")
@@ -101,10 +102,21 @@ def completion_call(body) -> Call:
         params.echo = True
         if params.logprobs:
             params.prompt_logprobs = params.top_logprobs
+    suffix = body.get("suffix")
+    if suffix is not None:
+        if not isinstance(suffix, str):
+            raise invalid("suffix", "'suffix' must be a string")
+        if echo:
+            raise invalid("suffix", "'suffix' and 'echo' do not go together: a filled-in middle has no prompt "
+                                    "to echo before it")
     prompts = []
     for i, one in enumerate(batch):
         request = tandem_pb2.GenerateRequest(params=params)
-        if isinstance(one, str):
+        if isinstance(one, str) and suffix is not None:
+            request.fill.prefix, request.fill.suffix = one, suffix
+        elif suffix is not None:
+            raise invalid("suffix", "'suffix' needs text prompts: token ids have no place for it")
+        elif isinstance(one, str):
             request.text = one
         elif _is_ids(one):
             request.token_ids.ids.extend(one)

@@ -38,7 +38,6 @@ CHANGES_SAMPLING = ("Tandem samples exactly the target model's distribution, aft
                     "the penalties, a structured output's grammar, temperature, min_p, top_k and top_p only")
 UNSUPPORTED = {
     "best_of": ((1,), CHANGES_SAMPLING),
-    "suffix": (("",), "there is no insertion mode"),
     "functions": (([],), "use 'tools' (OpenAI's deprecated 'functions' are not served)"),
     "function_call": (("none",), "use 'tool_choice' (OpenAI's deprecated 'function_call' is not served)"),
 }

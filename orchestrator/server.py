@@ -7,6 +7,7 @@ import logging
 
 import grpc
 
+from orchestrator import fim
 from orchestrator.auth import ApiKeys, call_tenant
 from orchestrator.backends import GrpcProposer, GrpcVerifier, Prefix, ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import MAX_TREE_WIDTH, OrchestratorConfig
@@ -45,6 +46,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                                          self._release, self._fork) if config.prefix_cache.enabled else None)
         self.tokenizer = None
         self.template = ChatTemplate(None)
+        self.fim_format: str | None = None  # the tokenizer's fill-in-the-middle format (orchestrator/fim.py)
         self.reader: RequestReader | None = None  # once paired
         self.generation: Generation | None = None
         self.draft_info = self.target_info = None
@@ -160,6 +162,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             raise PairingError(f"tokenizer {source!r} does not match the target model's")
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, target.eos_token_ids)
+        self.fim_format = fim.detect(tokenizer)
 
     # --- request checks -----------------------------------------------------------
     async def _ready(self, context) -> Generation:
@@ -193,6 +196,12 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             if kind == "text":
                 self.reader.need_tokenizer("a text prompt")
                 prompt = self.tokenizer.encode(request.text)
+            elif kind == "fill":
+                self.reader.need_tokenizer("filling in the middle")
+                if self.fim_format is None:
+                    raise ValueError("the model's tokenizer has no fill-in-the-middle tokens: it cannot fill in "
+                                     "between a prefix and a suffix")
+                prompt = self.tokenizer.encode(fim.prompt(self.fim_format, request.fill.prefix, request.fill.suffix))
             elif kind == "messages":
                 messages = self.reader.messages(request.messages.messages)
                 tools = read_tools(request.messages.tools_json)
@@ -305,6 +314,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
             tenant_max_requests=self.config.quotas.max_requests,
             tenant_tokens_per_minute=self.config.quotas.tokens_per_minute,
             tokenizer=self._tokenizer_info(),
+            fim_format=self.fim_format or "",
         )
 
     @store_unavailable

@@ -188,9 +188,12 @@ def _generate(args) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         print("tandem generate: give a prompt or --prompt-ids (one of them)", file=sys.stderr)
         return 2
+    if args.suffix is not None and args.prompt is None:
+        print("tandem generate: --suffix needs a text prompt (the text before the middle)", file=sys.stderr)
+        return 2
     with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key) as client:
         stream = client.generate_stream(args.prompt, args.prompt_ids, prompt_logprobs=args.prompt_logprobs,
-                                        **sampling_kwargs(args))
+                                        suffix=args.suffix, **sampling_kwargs(args))
         show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
         result = collect(stream, on_delta=show)
     _print_result(result, args)

@@ -352,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
     gen.add_argument("prompt", nargs="?", default=None, help="prompt text")
     gen.add_argument("--prompt-ids", type=_ids, default=None, help="prompt as comma-separated token ids")
+    gen.add_argument("--suffix", default=None,
+                     help="fill in the middle: the completion goes between the prompt and this text, in the "
+                          "model's fill-in-the-middle format (a code model's, such as Qwen2.5-Coder's)")
     gen.add_argument("--prompt-logprobs", type=_int_in(0, MAX_TOP_LOGPROBS), default=None, metavar="N",
                      help="also score the prompt: each of its tokens' log probability after the first, and the "
                           f"N likeliest at each position (0..{MAX_TOP_LOGPROBS}; default: none)")

@@ -86,13 +86,16 @@ class TandemClient:
     def generate_stream(self, prompt: str | None = None, prompt_ids: list[int] | None = None,
                         keep_session: bool = False, messages: list[dict] | None = None,
                         tools: list[dict] | None = None, continue_final_message: bool = False,
-                        chat_template_kwargs: dict | None = None, **params) -> Iterator[tandem_pb2.GenerateEvent]:
+                        chat_template_kwargs: dict | None = None, suffix: str | None = None,
+                        **params) -> Iterator[tandem_pb2.GenerateEvent]:
         """Streams a completion of the prompt: text, token ids, or a conversation
         (`messages`, dicts with role and content, and OpenAI's tool_calls,
         tool_call_id and name where they have them, rendered by the server's
         chat template; `tools`, OpenAI's function tools, shown to the model by
         the template; `continue_final_message`, the reply continues the last
-        message; `chat_template_kwargs`, more variables for the template)."""
+        message; `chat_template_kwargs`, more variables for the template;
+        `suffix`: fill in between the text prompt and it, in the model's
+        fill-in-the-middle format)."""
         request = tandem_pb2.GenerateRequest(params=params_message(**params), keep_session=keep_session)
         if tools:
             request.messages.tools_json = json.dumps(tools)
@@ -100,6 +103,9 @@ class TandemClient:
             request.messages.continue_final_message = True
         if chat_template_kwargs:
             request.messages.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
+        if suffix is not None:
+            request.fill.prefix, request.fill.suffix = prompt or "", suffix
+            return self._call(self.stub.Generate, request)
         return self._call(self.stub.Generate, _with_input(request, prompt, prompt_ids, messages))
 
     def generate(self, *args, **kwargs) -> Result:

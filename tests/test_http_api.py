@@ -351,7 +351,7 @@ def test_logit_bias_and_min_tokens_reach_the_models(http, char_models):
     (dict(best_of=2), "best_of", "not supported"),
     (dict(extra_body={"logit_bias": {"5": 101}}), "logit_bias", "in [-100, 100]"),
     (dict(extra_body={"logit_bias": {"x": 1}}), "logit_bias", "maps token ids to numbers"),
-    (dict(echo=True, suffix="x"), "suffix", "not supported"),
+    (dict(echo=True, suffix="x"), "suffix", "do not go together"),
     (dict(logprobs=21), "logprobs", "'logprobs' must be in [0, 20]"),
     (dict(extra_body={"top_logprobs": 2}), "top_logprobs", "a completion takes 'logprobs': N"),
     (dict(top_p=0), "top_p", "top_p"),
