@@ -116,17 +116,24 @@ class RequestReader:
             raise ValueError(f"{what} needs a tokenizer, and the model has none: send token ids")
 
 
-def read_tools(text: str) -> list[dict] | None:
-    """ChatMessages.tools_json, checked: OpenAI's function tools."""
+def _json_field(text: str, field: str, kind: type, what: str):
+    """A field of JSON text: its value, which must be a `kind` (`what` says
+    so where it is not); None where the field is empty."""
     if not text:
         return None
     try:
-        tools = json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"tools_json is not valid JSON: {err}") from None
-    if not isinstance(tools, list):
-        raise ValueError("tools_json must be a JSON list of tools")
-    for i, tool in enumerate(tools):
+        raise ValueError(f"{field} is not valid JSON: {err}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{field} must be {what}")
+    return value
+
+
+def read_tools(text: str) -> list[dict] | None:
+    """ChatMessages.tools_json, checked: OpenAI's function tools."""
+    tools = _json_field(text, "tools_json", list, "a JSON list of tools")
+    for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if (not isinstance(function, dict) or tool.get("type", "function") != "function"
                 or not isinstance(function.get("name"), str) or not function["name"]):
@@ -145,14 +152,9 @@ def template_variables(text: str) -> dict | None:
     """ChatMessages.chat_template_kwargs_json, checked: a JSON object of
     variables for the chat template, none of apply_chat_template's own
     parameters."""
-    if not text:
+    variables = _json_field(text, "chat_template_kwargs_json", dict, "a JSON object of the template's variables")
+    if variables is None:
         return None
-    try:
-        variables = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"chat_template_kwargs_json is not valid JSON: {err}") from None
-    if not isinstance(variables, dict):
-        raise ValueError("chat_template_kwargs must be a JSON object of the template's variables")
     taken = sorted(_RESERVED & set(variables))
     if taken:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")
