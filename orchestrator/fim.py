@@ -15,12 +15,25 @@ FORMATS = {
 }
 
 
+# Tokens that end a middle where a vocabulary has them: the end of a text (Qwen2.5-Coder
+# writes <|endoftext|> after the middle, which its instruct models' end of sequence is
+# not), a next file or repository, padding, and any format's sentinel.
+ENDS = ("<|endoftext|>", "<|file_sep|>", "<|repo_name|>", "<|fim_pad|>", "<file_sep>", "<reponame>", "<filename>",
+        "<fim_pad>", "<|end_of_text|>", *(s for sentinels in FORMATS.values() for s in sentinels))
+
+
 def detect(tokenizer) -> str | None:
     """The format whose three sentinels are tokens of the tokenizer's vocabulary, or None."""
     if tokenizer is None:
         return None
     vocab = tokenizer.get_vocab()
     return next((name for name, sentinels in FORMATS.items() if all(s in vocab for s in sentinels)), None)
+
+
+def end_ids(tokenizer) -> frozenset[int]:
+    """The token ids that end a filled-in middle (ENDS, where the vocabulary has them)."""
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[token] for token in ENDS if token in vocab)
 
 
 def prompt(fmt: str, prefix: str, suffix: str) -> str:

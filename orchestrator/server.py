@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 import grpc
@@ -202,6 +203,9 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     raise ValueError("the model's tokenizer has no fill-in-the-middle tokens: it cannot fill in "
                                      "between a prefix and a suffix")
                 prompt = self.tokenizer.encode(fim.prompt(self.fim_format, request.fill.prefix, request.fill.suffix))
+                if not params.ignore_eos:  # the middle ends at the model's own markers of its end
+                    params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids
+                                                 | fim.end_ids(self.tokenizer))
             elif kind == "messages":
                 messages = self.reader.messages(request.messages.messages)
                 tools = read_tools(request.messages.tools_json)

@@ -19,14 +19,16 @@ PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
 
 
 def _fim_tokenizer(path) -> None:
-    """The character tokenizer with Qwen's three sentinels in place of the
-    control characters 4-6, so that the tiny models' 128 ids still cover it."""
-    vocab = {chr(i): i for i in range(TINY_VOCAB) if i not in (4, 5, 6)}
-    vocab.update({token: 4 + i for i, token in enumerate(SENTINELS)})
+    """The character tokenizer with Qwen's three sentinels and its end of text
+    in place of the control characters 4-7, so that the tiny models' 128 ids
+    still cover it."""
+    special = [*SENTINELS, "<|endoftext|>"]
+    vocab = {chr(i): i for i in range(TINY_VOCAB) if i not in (4, 5, 6, 7)}
+    vocab.update({token: 4 + i for i, token in enumerate(special)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="?"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(list(SENTINELS))
+    tokenizer.add_special_tokens(special)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="?", pad_token=chr(0)).save_pretrained(path)
 
 
@@ -55,6 +57,7 @@ def test_the_format_is_read_from_the_vocabulary(tmp_path):
     assert text == f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids[0] == 4 and ids.count(5) == ids.count(6) == 1 and ids[-1] == 6  # each sentinel one token
+    assert fim.end_ids(tokenizer) == {4, 5, 6, 7}  # the sentinels and the end of text end a middle
     assert fim.detect(PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")))) \
         is None
 
@@ -79,6 +82,14 @@ def test_a_filled_in_middle_equals_the_target_alone(fim_cluster):
     batch = api.completions.create(model="tandem-tiny", prompt=[PREFIX, "x = "], suffix=SUFFIX, max_tokens=8,
                                    temperature=0, extra_body={"return_token_ids": True})
     assert batch.choices[0].token_ids == expected[:8]
+    # The middle ends at the model's end of text (Qwen2.5-Coder writes it; its instruct models' end of
+    # sequence is another token), here forced first by a logit bias; a plain completion goes on past it.
+    ended = api.completions.create(model="tandem-tiny", prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0,
+                                   logit_bias={"7": 100}, extra_body={"return_token_ids": True})
+    assert ended.choices[0].token_ids == [7] and ended.choices[0].finish_reason == "stop"
+    plain = api.completions.create(model="tandem-tiny", prompt=PREFIX, max_tokens=8, temperature=0,
+                                   logit_bias={"7": 100}, extra_body={"return_token_ids": True})
+    assert plain.choices[0].token_ids == [7] * 8 and plain.choices[0].finish_reason == "length"
     for bad, words in [({"prompt": [1, 2, 3]}, "text prompts"), ({"echo": True}, "'echo'"), ({"suffix": 5}, "string")]:
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(model="tandem-tiny", **{"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4, **bad})
