@@ -35,6 +35,11 @@ class Call:
     one_call: bool = False  # "parallel_tool_calls": false: at most one call ("auto" keeps the first)
 
     @property
+    def most_calls(self) -> int | None:
+        """How many of an answer's calls go out: the first alone (one_call), or all (None)."""
+        return 1 if self.one_call else None
+
+    @property
     def request(self) -> tandem_pb2.GenerateRequest:
         """The first prompt's call (all share the params)."""
         return self.prompts[0]

@@ -163,7 +163,7 @@ def response(call: Call, model: str, answers: list[Answer]) -> dict:
                 content, calls = _required_calls(text)
             elif call.tool_parser is not None:
                 content, calls = tool_parsers.parse(call.tool_parser, text)
-                calls = calls[:1] if calls and call.one_call else calls
+                calls = calls[:call.most_calls] if calls else calls
             choice["message"] = {"role": "assistant", "content": content}
             if calls is not None:
                 choice["message"]["tool_calls"] = calls
@@ -274,11 +274,6 @@ class Chunks:
                 sent[i] = call.arguments
         return deltas
 
-    @property
-    def _most_calls(self) -> int | None:
-        """parallel_tool_calls false: the first call alone; None: all."""
-        return 1 if self.call.one_call else None
-
     def _parser(self) -> str | None:
         """The format of the choices' calls: tool_choice "required"'s list or
         the server's parser ("auto"); None where the answer is not read for calls."""
@@ -300,7 +295,7 @@ class Chunks:
                 sent, ready = self._sent.get(index, 0), tool_parsers.sendable(parser, said)
                 if ready > sent:
                     self._sent[index], text = ready, said[sent:ready]
-            tool_calls = self._call_deltas(index, tool_parsers.read(parser, said).calls[:self._most_calls])
+            tool_calls = self._call_deltas(index, tool_parsers.read(parser, said).calls[:self.call.most_calls])
             if text or tool_calls:
                 chunks.append(self._release(index, text, tool_calls))
             return chunks
@@ -331,7 +326,7 @@ class Chunks:
             reason = _tools_finish_reason(self.call, reason)
         elif parser is not None:
             _, calls = tool_parsers.parse(parser, said)
-            calls = calls[:self._most_calls] if calls else calls
+            calls = calls[:self.call.most_calls] if calls else calls
             if calls is not None:
                 tool_calls = self._call_deltas(index, [tool_parsers.Begun(c["function"]["name"],
                                                                           c["function"]["arguments"])

@@ -48,6 +48,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.tokenizer = None
         self.template = ChatTemplate(None)
         self.fim_format: str | None = None  # the tokenizer's fill-in-the-middle format (orchestrator/fim.py)
+        self.fim_ends: frozenset[int] = frozenset()  # the tokens that end a filled-in middle
         self.reader: RequestReader | None = None  # once paired
         self.generation: Generation | None = None
         self.draft_info = self.target_info = None
@@ -164,6 +165,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, target.eos_token_ids)
         self.fim_format = fim.detect(tokenizer)
+        self.fim_ends = fim.end_ids(tokenizer) if self.fim_format else frozenset()  # the vocabulary read once
 
     # --- request checks -----------------------------------------------------------
     async def _ready(self, context) -> Generation:
@@ -204,8 +206,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                                      "between a prefix and a suffix")
                 prompt = self.tokenizer.encode(fim.prompt(self.fim_format, request.fill.prefix, request.fill.suffix))
                 if not params.ignore_eos:  # the middle ends at the model's own markers of its end
-                    params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids
-                                                 | fim.end_ids(self.tokenizer))
+                    params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids | self.fim_ends)
             elif kind == "messages":
                 messages = self.reader.messages(request.messages.messages)
                 tools = read_tools(request.messages.tools_json)
