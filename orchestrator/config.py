@@ -60,6 +60,9 @@ class OrchestratorConfig:
     prefill_overlap: bool | None = None
     default_max_tokens: int = 128
     session_ttl_s: int = 3600
+    # How long a stored response (PutStoredResponse: the HTTP API's
+    # /v1/responses with "store": true) is kept, seconds.
+    response_ttl_s: int = 7 * 24 * 3600
     service_timeout_s: float = 120.0
     service_transport: str = "stream"  # model calls on one stream per service, or "unary" rpcs
     draft_fallback: bool = True  # while the draft service is down, decode on the target alone
@@ -90,6 +93,8 @@ class OrchestratorConfig:
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
             raise ValueError("default_max_tokens and session_ttl_s must be >= 1")
+        if self.response_ttl_s < 1:
+            raise ValueError(f"response_ttl_s must be >= 1, got {self.response_ttl_s}")
         if self.tree_width is not None and not 0 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ValueError(f"tree_width must be in [0, {MAX_TREE_WIDTH}], got {self.tree_width}")
         if self.max_concurrent_requests < 0:

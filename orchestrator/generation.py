@@ -15,7 +15,7 @@ from orchestrator.decoder import Decoder
 from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCosts
 from orchestrator.rounds import Committed, RoundStats, ServiceView
 from orchestrator.store import SessionRecord, SessionStore
-from orchestrator.text import Detokenizer, find_stop
+from orchestrator.text import Detokenizer, cut_at_stop, find_stop
 from tandem import telemetry
 from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling import SamplingParams
@@ -44,6 +44,7 @@ class RequestParams:
     prompt_logprobs: int | None = None  # and with it its tokens' log probabilities and the n likeliest
     min_tokens: int = 0  # no end-of-sequence token (nor stop token id) among the first min_tokens
     grammar: str = ""  # structured output: the completion follows this llguidance grammar (tandem.structured)
+    include_stop: bool = False  # the text keeps the stop string that ended it (include_stop_str_in_output)
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -206,8 +207,8 @@ class Generation:
                     completion.extend(keep)
                     detok.add(keep)
                     if finish == tandem_pb2.FINISH_REASON_STOP:
-                        visible = _before_stop(detok.full_text(), params.stop)
-                    elif finish == tandem_pb2.FINISH_REASON_UNSPECIFIED:
+                        visible = cut_at_stop(detok.full_text(), params.stop, params.include_stop)
+                    elif finish == tandem_pb2.FINISH_REASON_UNSPECIFIED and not params.include_stop:
                         visible = _short_of_stop(detok.text, params.stop)
                     else:
                         visible = detok.text
@@ -282,7 +283,7 @@ class Generation:
             outcome.ids = completion
             outcome.text = detok.full_text()
             if finish == tandem_pb2.FINISH_REASON_STOP:
-                outcome.text = _before_stop(outcome.text, params.stop)
+                outcome.text = cut_at_stop(outcome.text, params.stop, params.include_stop)
 
     def _echo(self, prompt: list[int], decoder: Decoder, params: RequestParams) -> tandem_pb2.PromptEcho:
         """The prompt, as the first delta carries it back (echo, prompt_logprobs)."""
@@ -386,11 +387,6 @@ def _reason(finish) -> str:
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
-
-
-def _before_stop(text: str, stops) -> str:
-    cut = find_stop(text, list(stops))
-    return text[:cut] if cut >= 0 else text
 
 
 def _short_of_stop(text: str, stops) -> str:

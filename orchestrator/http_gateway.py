@@ -1,6 +1,8 @@
-"""The OpenAI-compatible HTTP API (aiohttp): POST /v1/completions and
-/v1/chat/completions (streamed as server-sent events with "stream": true), GET
-/v1/models and /health.
+"""The OpenAI-compatible HTTP API (aiohttp): POST /v1/completions,
+/v1/chat/completions and /v1/responses (streamed as server-sent events with
+"stream": true), the stored responses (GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items), GET /v1/models and /health, and vLLM's
+/tokenize, /detokenize and /tokenizer_info.
 
 A gateway: each request becomes one Generate call of the Tandem gRPC API on
 the orchestrator it fronts, so admission, tenancy, checks, traces and errors
@@ -22,7 +24,8 @@ from aiohttp import web
 from orchestrator.openai_api import Call, chat_call, completion_call, detokenize_request, tokenize_request
 from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import Answer, Chunks, response
-from orchestrator.openai_responses import Responses, responses_call
+from orchestrator.openai_responses import (Responses, input_items, previous_id, previous_items, record,
+                                           responses_call)
 from orchestrator.prefix_cache import MIN_FORK
 from tandem import serving
 from tandem.serving import MAX_MESSAGE_BYTES
@@ -53,6 +56,9 @@ class Gateway:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/responses", self.responses),
+            web.get("/v1/responses/{response_id}", self.retrieve_response),
+            web.delete("/v1/responses/{response_id}", self.delete_response),
+            web.get("/v1/responses/{response_id}/input_items", self.response_input_items),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.post("/tokenize", self.tokenize),
@@ -117,8 +123,80 @@ class Gateway:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API, as a chat completion (orchestrator/openai_responses.py)."""
         body = await self._body(request)
-        call = responses_call(body, self.tool_call_parser)
-        return await self._answer(request, call, Responses(body, await self.model_name()))
+        previous = []
+        if (continued := previous_id(body)) is not None:
+            try:
+                stored = await self._stored(request, continued)
+            except ApiError as err:
+                if err.status != 404:
+                    raise
+                raise ApiError(404, f"the previous response {continued!r} was not found: it was not stored "
+                                    "(\"store\": false), was deleted, expired (the orchestrator's --response-ttl) or "
+                                    "is another tenant's", "invalid_request_error", "previous_response_id",
+                               "previous_response_not_found") from err
+            previous = previous_items(stored)
+        call = responses_call(body, self.tool_call_parser, previous)
+        shape = Responses(body, await self.model_name(), [*previous, *input_items(body)])
+        return await self._answer(request, call, shape)
+
+    async def _stored(self, request: web.Request, response_id: str) -> str:
+        """A stored response's record (openai_responses.record), or a 404."""
+        try:
+            reply = await self.stub.GetStoredResponse(tandem_pb2.StoredResponseRef(response_id=response_id),
+                                                      metadata=self._metadata(request), timeout=INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            raise ApiError.from_rpc(err) from err
+        return reply.body_json
+
+    async def _keep(self, request: web.Request, shape: Responses, final: dict) -> None:
+        """Stores a finished Response, unless its request said "store": false."""
+        if shape.store:
+            await self.stub.PutStoredResponse(tandem_pb2.StoredResponse(
+                response_id=final["id"], body_json=record(final, shape.items)),
+                metadata=self._metadata(request), timeout=INFO_TIMEOUT_S)
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: a stored Response, as it was answered."""
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            raise ApiError(400, "streaming a stored response is not supported: Tandem keeps finished responses "
+                                "only", param="stream")
+        stored = json.loads(await self._stored(request, request.match_info["response_id"]))
+        return web.json_response(stored["response"])
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        reply = await self.stub.DeleteStoredResponse(tandem_pb2.StoredResponseRef(response_id=response_id),
+                                                     metadata=self._metadata(request), timeout=INFO_TIMEOUT_S)
+        if not reply.deleted:
+            raise ApiError(404, f"no stored response {response_id!r}", "not_found_error", code="not_found")
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def response_input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}/input_items: the conversation a stored
+        Response answered (a continued one's earlier turns included), a page
+        of `limit` (1-100, 20) items in `order` ("desc", the default, or
+        "asc"), after the item `after`."""
+        query = request.query
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise ApiError(400, f"'limit' must be an integer in [1, 100], not {query.get('limit')!r}", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"'order' must be 'asc' or 'desc', not {order!r}", param="order")
+        items = json.loads(await self._stored(request, request.match_info["response_id"]))["input"]
+        if order == "desc":
+            items = items[::-1]
+        if "after" in query:
+            ids = [item.get("id") for item in items]
+            if query["after"] not in ids:
+                raise ApiError(400, f"'after' names no item of this response: {query['after']!r}", param="after")
+            items = items[ids.index(query["after"]) + 1:]
+        page = items[:limit]
+        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     async def models(self, request: web.Request) -> web.Response:
         name = await self.model_name()
@@ -189,7 +267,10 @@ class Gateway:
             else:
                 answers = await _all([_collect(events) for events in streams])
                 whole = response(call, model, answers)
-                answer = web.json_response(whole if shape is None else shape.whole(whole))
+                if shape is not None:
+                    whole = shape.whole(whole)
+                    await self._keep(request, shape, whole)
+                answer = web.json_response(whole)
             finished = True
             return answer
         finally:
@@ -287,7 +368,13 @@ class Gateway:
             for task in pumps:
                 task.cancel()
         if events is not None:
-            for event in events.end():
+            closing, final = events.closing()
+            try:
+                await self._keep(request, shape, final)
+                closing.append(events.done(final))
+            except grpc.aio.AioRpcError as err:  # told, instead of a Response said stored that is not
+                closing += events.error(ApiError.from_rpc(err).body())
+            for event in closing:
                 await _send(out, event, event["type"])
             await out.write_eof()
             return out

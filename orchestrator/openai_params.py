@@ -229,5 +229,7 @@ def generation_params(body: dict, max_tokens_names: tuple[str, ...], chat: bool)
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise invalid("stop", "'stop' must be a string or a list of strings")
         params.stop.extend(s for s in stop if s)
+    if flag(body, "include_stop_str_in_output"):
+        params.include_stop_str_in_output = True
     _logprobs(body, chat, params)
     return params

@@ -4,12 +4,18 @@ and its answer, whole or streamed, becomes a Response object or the Response
 stream's events. So everything a chat completion does (greedy equal to the
 target alone, sampling, structured output, tools, prefix reuse) holds here too.
 
-Tandem keeps no responses: a request carries its whole conversation in
-`input`, `previous_response_id`, `conversation` and `background` are refused,
-and every Response says `"store": false`."""
+Stored responses: unless a request says `"store": false`, the gateway keeps
+its Response, with the conversation it answered (the input items, each with an
+id), in the orchestrator's Redis under the caller's tenant (`record`; the
+Tandem API's PutStoredResponse). A later request that names it as
+`previous_response_id` continues that conversation: its messages are the
+stored input items and output items, then its own `input` (`previous_items`).
+Its caches are reused by prefix (the orchestrator's --prefix-cache), as for
+any conversation resent whole. `conversation` and `background` are refused."""
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
 
@@ -20,27 +26,30 @@ from orchestrator.openai_params import flag, invalid
 PASSED = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
           "logit_bias", "stop", "parallel_tool_calls", "stream", "user")
 REFUSED = {
-    "previous_response_id": "Tandem keeps no responses; send the whole conversation as 'input'",
-    "conversation": "Tandem keeps no conversations; send the whole conversation as 'input'",
+    "conversation": "Tandem keeps no conversations; continue a stored response with 'previous_response_id', "
+                    "or send the whole conversation as 'input'",
     "prompt": "Tandem keeps no prompt templates; send the prompt as 'input'",
 }
 LOGPROBS = "message.output_text.logprobs"  # `include`: each output token's log probability
 # Echoed in the Response as the request gave them.
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "top_p",
-          "tool_choice", "tools", "text", "user", "top_logprobs")
+          "tool_choice", "tools", "text", "user", "top_logprobs", "previous_response_id")
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
-def responses_call(body, tool_parser: str | None = None) -> Call:
-    """The chat completion that answers a Responses request."""
+def responses_call(body, tool_parser: str | None = None, previous: list[dict] = ()) -> Call:
+    """The chat completion that answers a Responses request; `previous`: the
+    items of the stored response it continues (previous_items)."""
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     for name, why in REFUSED.items():
         if body.get(name) is not None:
             raise invalid(name, f"'{name}' is not supported: {why}")
     if flag(body, "background"):
-        raise invalid("background", "'background' is not supported: Tandem keeps no responses to poll")
+        raise invalid("background", "'background' is not supported: Tandem runs a response while its request waits")
+    stores(body)
     chat = {name: body[name] for name in PASSED if name in body}
-    chat["messages"] = _messages(body)
+    chat["messages"] = _messages(body, previous)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -66,32 +75,86 @@ def responses_call(body, tool_parser: str | None = None) -> Call:
     return chat_call(chat, tool_parser)
 
 
-def _messages(body: dict) -> list[dict]:
-    """`instructions` and `input` as a chat completion's messages."""
+def stores(body: dict) -> bool:
+    """`store`: true (OpenAI's default) keeps the Response."""
+    value = body.get("store")
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise invalid("store", f"'store' must be true or false, not {value!r}")
+    return value
+
+
+def previous_id(body: dict) -> str | None:
+    value = body.get("previous_response_id") if isinstance(body, dict) else None
+    if value is not None and (not isinstance(value, str) or not value):
+        raise invalid("previous_response_id", "'previous_response_id' must be a response's id (a string)")
+    return value
+
+
+def record(response: dict, items: list[dict]) -> str:
+    """What is stored of a Response: itself, and the input items it answered
+    (a continued conversation's included)."""
+    return json.dumps({"response": response, "input": items}, ensure_ascii=False)
+
+
+def previous_items(stored: str) -> list[dict]:
+    """The conversation a stored response continues into: its input items, then its output."""
+    kept = json.loads(stored)
+    return [*kept["input"], *kept["response"]["output"]]
+
+
+def input_items(body: dict) -> list[dict]:
+    """The request's `input` (checked by responses_call) as items to keep: each
+    with its type and an id, a message's content as parts."""
+    given = body["input"]
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        item = {"id": f"{ITEM_PREFIX[kind]}_{uuid.uuid4().hex}", **item, "type": kind}
+        if kind == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        items.append(item)
+    return items
+
+
+def _messages(body: dict, previous: list[dict] = ()) -> list[dict]:
+    """`instructions`, the previous response's items and `input` as a chat
+    completion's messages (a previous response's instructions are not carried
+    over, as OpenAI does)."""
     messages = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise invalid("instructions", "'instructions' must be a string")
         messages.append({"role": "system", "content": instructions})
+    _add_items(messages, list(previous), "previous_response_id")
     items = body.get("input")
     if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
+        items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise invalid("input", "'input' must be a string or a non-empty list of items")
+    _add_items(messages, items, "input")
+    return messages
+
+
+def _add_items(messages: list[dict], items: list, param: str) -> None:
     for i, item in enumerate(items):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise invalid(f"input[{i}].role", "a message's 'role' must be 'user', 'assistant', 'system' "
-                                                  "or 'developer'")
+                raise invalid(f"{param}[{i}].role", "a message's 'role' must be 'user', 'assistant', 'system' "
+                                                    "or 'developer'")
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text(f"input[{i}].content", item.get("content"))})
+                             "content": _text(f"{param}[{i}].content", item.get("content"))})
         elif kind == "function_call":
             for name in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(name), str):
-                    raise invalid(f"input[{i}].{name}", f"a function_call's '{name}' must be a string")
+                    raise invalid(f"{param}[{i}].{name}", f"a function_call's '{name}' must be a string")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -101,13 +164,12 @@ def _messages(body: dict) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
-                raise invalid(f"input[{i}].call_id", "a function_call_output's 'call_id' must be a string")
+                raise invalid(f"{param}[{i}].call_id", "a function_call_output's 'call_id' must be a string")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(f"input[{i}].output", item.get("output"))})
+                             "content": _text(f"{param}[{i}].output", item.get("output"))})
         else:
-            raise invalid(f"input[{i}]", f"input items of type {kind!r} are not supported: give messages "
-                                         "(text), function_call and function_call_output items")
-    return messages
+            raise invalid(f"{param}[{i}]", f"input items of type {kind!r} are not supported: give messages "
+                                           "(text), function_call and function_call_output items")
 
 
 def _text(param: str, content) -> str:
@@ -197,8 +259,10 @@ class Responses:
     """One request's Response: whole (from a chat completion's answer) or
     streamed (`events`)."""
 
-    def __init__(self, body: dict, model: str):
+    def __init__(self, body: dict, model: str, items: list[dict] = ()):
         self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
+        self.store = stores(body)
+        self.items = list(items)  # the conversation it answers, kept with it (record)
         self.echoed = {name: body.get(name) for name in ECHOED}
         self.echoed["tools"] = self.echoed["tools"] or []
         self.echoed["tool_choice"] = self.echoed["tool_choice"] or "auto"
@@ -209,7 +273,7 @@ class Responses:
                  incomplete: dict | None = None) -> dict:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": incomplete, "model": self.model, "output": output,
-                "usage": usage, "store": False, "truncation": "disabled", "background": False,
+                "usage": usage, "store": self.store, "truncation": "disabled", "background": False,
                 **self.echoed}
 
     def whole(self, chat: dict) -> dict:
@@ -323,13 +387,21 @@ class ResponseEvents:
 
     def end(self) -> list[dict]:
         """The last events, after the answer's last chunk: the Response, whole."""
+        events, final = self.closing()
+        return [*events, self.done(final)]
+
+    def closing(self) -> tuple[list[dict], dict]:
+        """The events that close the output, and the final Response (which
+        `done` sends; the gateway stores it first)."""
         status, incomplete = _ending(self.finish_reason)
         events = []
         if not self.output:  # nothing said: an empty message
             events += self._add_message()
         events += self._close(status)
-        final = {**self.responses.response(status, self.output, self.usage, incomplete), "tandem": self.stats}
-        return [*events, self._event(f"response.{status}", response=final)]
+        return events, {**self.responses.response(status, self.output, self.usage, incomplete), "tandem": self.stats}
+
+    def done(self, final: dict) -> dict:
+        return self._event(f"response.{final['status']}", response=final)
 
     def error(self, body: dict) -> list[dict]:
         """An error after the stream began (`body` is OpenAI's error body)."""

@@ -53,6 +53,7 @@ class RequestReader:
             sampling=sampling,
             max_tokens=msg.max_tokens if msg.HasField("max_tokens") else self.default_max_tokens,
             stop=tuple(msg.stop),
+            include_stop=msg.include_stop_str_in_output,
             k=msg.num_draft_tokens if msg.HasField("num_draft_tokens") else 0,
             pipeline=msg.pipeline if msg.HasField("pipeline") else None,
             seeded=msg.HasField("seed"),

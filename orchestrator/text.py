@@ -45,6 +45,17 @@ def find_stop(text: str, stops: list[str], search_from: int = 0) -> int:
     return min(hits) if hits else -1
 
 
+def cut_at_stop(text: str, stops, include: bool = False) -> str:
+    """text up to the earliest stop string (include: through its end; of two
+    that begin there, the shorter), or all of it if none is in it."""
+    at = find_stop(text, list(stops))
+    if at < 0:
+        return text
+    if include:
+        at += min(len(s) for s in stops if s and text.startswith(s, at))
+    return text[:at]
+
+
 class ChatTemplate:
     """Renders turns with the model's chat template, so that a new turn becomes
     only the tokens that follow the committed ones."""

@@ -71,6 +71,7 @@ def _serve(args) -> None:
                 policy=KPolicyConfig(k=args.k, k_min=args.k_min, k_max=args.k_max, adaptive=args.adaptive_k == "on"),
                 pipeline=switch(args.pipeline), prefill_overlap=switch(args.prefill_overlap),
                 default_max_tokens=args.max_tokens, session_ttl_s=args.session_ttl,
+                response_ttl_s=args.response_ttl,
                 service_transport=args.service_transport, draft_fallback=args.draft_fallback == "on",
                 service_timeout_s=args.service_timeout, max_concurrent_requests=args.max_concurrent_requests,
                 relay=args.relay == "on", relay_address=args.relay_address, tree_width=args.tree_width,

@@ -111,6 +111,8 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--seed", type=_int_in(0, UINT64_MAX), default=None,
                    help="seed for reproducible sampling (default: a random one, reported in the stats)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--include-stop", action="store_true",
+                   help="the text keeps the stop string that ended it (vLLM's include_stop_str_in_output)")
     p.add_argument("--stop-token-id", action="append", type=_int_in(0, INT32_MAX), default=None, metavar="ID",
                    help="a token id that ends the generation (repeatable; default: none)")
     p.add_argument("--min-tokens", type=_int_in(0, INT32_MAX), default=None,
@@ -164,7 +166,7 @@ def _bias(text: str) -> tuple[int, float]:
 def sampling_kwargs(args) -> dict:
     return dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop, num_draft_tokens=args.k,
+        seed=args.seed, stop=args.stop, include_stop_str_in_output=args.include_stop or None, num_draft_tokens=args.k,
         pipeline=switch(args.pipeline),
         logprobs=True if args.logprobs is not None else None, top_logprobs=args.logprobs,
         ignore_eos=args.ignore_eos or None, stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
@@ -321,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "at once; 0 = no limit (default: %(default)s)")
     orch.add_argument("--session-ttl", type=int, default=3600,
                       help="idle session lifetime, seconds (default: %(default)s)")
+    orch.add_argument("--response-ttl", type=_int_in(1, 2**32 - 1), default=7 * 24 * 3600, metavar="SECONDS",
+                      help="how long a stored response is kept in Redis: each Response of the HTTP API's "
+                           "/v1/responses with \"store\": true (the default), which a later request continues by "
+                           "its previous_response_id (default: %(default)s, 7 days)")
     orch.add_argument("--prefix-cache", type=_int_in(0, 1_000_000), default=32, metavar="N",
                       help="a Generate without keep_session (and every HTTP request) ends by parking its session, "
                            "caches and all, instead of deleting it; a later one of the same tenant whose prompt "

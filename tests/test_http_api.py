@@ -77,6 +77,28 @@ def test_a_greedy_completion_equals_the_target_alone_streamed_or_not(http, char_
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40  # include_usage: last
 
 
+def test_a_stop_string_ends_the_text_before_it_or_through_it(http, char_models):
+    """vLLM's include_stop_str_in_output: the same tokens, the text through
+    the stop string, whole or streamed."""
+    cluster, base, tokenizer = http
+    api = client(base)
+    prompt = "def fib(n):\n    "
+    full = api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+    stop = full[12:15]
+    at = full.find(stop)
+    for include, text in ((False, full[:at]), (True, full[:at + len(stop)])):
+        body = dict(model="tandem-tiny", prompt=prompt, max_tokens=40, temperature=0, stop=[stop],
+                    extra_body={"include_stop_str_in_output": include})
+        whole = api.completions.create(**body).choices[0]
+        assert (whole.text, whole.finish_reason) == (text, "stop")
+        chunks = list(api.completions.create(**body, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=4,
+                               extra_body={"include_stop_str_in_output": "yes"})
+    assert refused.value.body["param"] == "include_stop_str_in_output"
+
+
 def test_token_id_prompts_and_the_models_list(http, char_models):
     _, base, _ = http
     ids = [100, 101, 102, 40, 41, 58]

@@ -1,12 +1,16 @@
 """OpenAI's Responses API (POST /v1/responses), driven by the official client
 over real HTTP and gRPC with the tiny pair: each Response says what the target
 alone says (the chat completion of the same conversation), whole or as the
-Response stream's events, with tools and structured output."""
+Response stream's events, with tools and structured output; stored responses
+(in the real Redis) continue as their whole conversation would."""
 import json
 
+import grpc
 import openai
 import pytest
+import redis
 
+from tests.conftest import REDIS_URL
 from tests.test_http_api import client
 from tests.test_logprobs import ATOL
 from tests.test_structured import ASK, CLOCK, SCHEMA, WEATHER, cluster, http, models  # noqa: F401 (fixtures)
@@ -59,7 +63,7 @@ def test_a_response_says_what_the_chat_completion_and_the_target_alone_say(http,
     assert whole.usage.input_tokens == chat.usage.prompt_tokens
     assert whole.usage.output_tokens == chat.usage.completion_tokens == len(expected.token_ids)
     assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
-    assert whole.instructions == INSTRUCTIONS and whole.store is False
+    assert whole.instructions == INSTRUCTIONS and whole.store is True and whole.previous_response_id is None
 
     events = _events(api.responses.create(model="tandem-tiny", instructions=INSTRUCTIONS,
                                           input=[{"role": "user", "content": [{"type": "input_text",
@@ -138,8 +142,10 @@ def test_a_json_schema_format_constrains_the_response_as_response_format_does(ht
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"input": "hi", "background": True}, "background", "not supported"),
+    ({"input": "hi", "store": "yes"}, "store", "true or false"),
+    ({"input": "hi", "previous_response_id": 7}, "previous_response_id", "a string"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]", "only function tools"),
     ({"input": []}, "input", "non-empty list"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
@@ -239,3 +245,147 @@ def test_log_probabilities_are_the_chat_completions_whole_or_streamed(http, clus
     assert listed(events[-1].response.output[0].content[0].logprobs) == streamed
     plain = api.responses.create(model="tandem-tiny", input=ASK[0]["content"], max_output_tokens=10, temperature=0)
     assert plain.output[0].content[0].logprobs == []  # not asked, none
+
+
+# --- stored responses -------------------------------------------------------------------
+
+def _chat_text(api, messages: list[dict], **body) -> tuple[str, int]:
+    chat = api.chat.completions.create(model="tandem-tiny", messages=messages, temperature=0, **body)
+    return chat.choices[0].message.content, chat.usage.prompt_tokens
+
+
+def test_a_stored_response_continues_as_its_whole_conversation_would(http, cluster):  # noqa: F811
+    """previous_response_id: the stored input and output, then the new input,
+    is the conversation the chat completion of it answers; its caches are
+    reused; it is there to retrieve, list and delete, and stays in Redis for
+    the orchestrator's --response-ttl."""
+    api = client(http)
+    first = api.responses.create(model="tandem-tiny", instructions=INSTRUCTIONS, input=ASK[0]["content"],
+                                 max_output_tokens=12, temperature=0)
+    assert first.store is True and first.output_text
+    second = api.responses.create(model="tandem-tiny", instructions=INSTRUCTIONS, previous_response_id=first.id,
+                                  input="And in Bergen?", max_output_tokens=12, temperature=0)
+    conversation = [{"role": "system", "content": INSTRUCTIONS}, *ASK,
+                    {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And in Bergen?"}]
+    text, prompt_tokens = _chat_text(api, conversation, max_tokens=12)
+    assert second.output_text == text and second.usage.input_tokens == prompt_tokens
+    assert second.previous_response_id == first.id
+    # The first turn's prompt was parked with its caches and taken over (--prefix-cache).
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    # Without the stored turn, the conversation is another one.
+    alone = api.responses.create(model="tandem-tiny", instructions=INSTRUCTIONS, input="And in Bergen?",
+                                 max_output_tokens=12, temperature=0, store=False)
+    assert alone.usage.input_tokens < second.usage.input_tokens
+
+    assert api.responses.retrieve(first.id).model_dump() == first.model_dump()
+    items = api.responses.input_items.list(second.id, order="asc").data
+    assert [(i.type, i.role, i.content[0].text) for i in items] == [
+        ("message", "user", ASK[0]["content"]), ("message", "assistant", first.output_text),
+        ("message", "user", "And in Bergen?")]
+    assert items[1].id == first.output[0].id and all(i.id for i in items)
+    page = api.responses.input_items.list(second.id, limit=1)  # newest first
+    assert [i.id for i in page.data] == [items[2].id] and page.has_more
+    assert [i.id for i in api.responses.input_items.list(second.id, limit=5, after=items[2].id).data] == \
+        [items[1].id, items[0].id]
+
+    store = redis.Redis.from_url(REDIS_URL)
+    ttl = store.ttl(f"tandem:default:response:{first.id}")
+    assert 7 * 24 * 3600 - 60 < ttl <= 7 * 24 * 3600  # the orchestrator's --response-ttl, by default
+    assert store.ttl(f"tandem:default:response:{alone.id}") == -2  # "store": false: not kept
+
+    api.responses.delete(first.id)
+    for gone in (lambda: api.responses.retrieve(first.id), lambda: api.responses.delete(first.id),
+                 lambda: api.responses.retrieve(alone.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.responses.create(model="tandem-tiny", previous_response_id=first.id, input="Hi", max_output_tokens=4)
+    assert missing.value.body["param"] == "previous_response_id" and "not found" in missing.value.body["message"]
+    # The second keeps its whole conversation: it continues without the first.
+    third = api.responses.create(model="tandem-tiny", previous_response_id=second.id, input="Thanks.",
+                                 max_output_tokens=8, temperature=0)
+    text, _ = _chat_text(api, [*conversation[1:], {"role": "assistant", "content": second.output_text},
+                               {"role": "user", "content": "Thanks."}], max_tokens=8)
+    assert third.output_text == text  # the instructions of a stored response are not carried over
+
+
+def test_a_streamed_response_is_stored_as_its_last_event_says(http, cluster):  # noqa: F811
+    api = client(http)
+    events = _events(api.responses.create(model="tandem-tiny", input=ASK[0]["content"], max_output_tokens=10,
+                                          temperature=0, stream=True))
+    final = events[-1].response
+    assert final.store is True and api.responses.retrieve(final.id).model_dump() == final.model_dump()
+    quiet = _events(api.responses.create(model="tandem-tiny", input=ASK[0]["content"], max_output_tokens=4,
+                                         temperature=0, stream=True, store=False))
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(quiet[-1].response.id)
+
+
+def test_function_call_outputs_continue_a_stored_response_of_calls(http, cluster):  # noqa: F811
+    """The agent loop: a response of calls, then their outputs by previous_response_id."""
+    api = client(http)
+    calls = api.responses.create(model="tandem-tiny", input=ASK[0]["content"], tools=[_flat(WEATHER)],
+                                 tool_choice="required", max_output_tokens=160, temperature=0)
+    made = [item for item in calls.output if item.type == "function_call"]
+    assert made and calls.status == "completed"
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": f"Sunny, {20 + i} C"}
+               for i, c in enumerate(made)]
+    answer = api.responses.create(model="tandem-tiny", previous_response_id=calls.id, input=outputs,
+                                  tools=[_flat(WEATHER)], tool_choice="none", max_output_tokens=20, temperature=0)
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in made]},
+        *[{"role": "tool", "tool_call_id": o["call_id"], "content": o["output"]} for o in outputs]]
+    text, prompt_tokens = _chat_text(api, history, tools=[WEATHER], tool_choice="none", max_tokens=20)
+    assert answer.output_text == text and answer.usage.input_tokens == prompt_tokens
+
+
+def test_a_tenant_reaches_only_its_own_stored_responses(http, cluster):  # noqa: F811
+    mine, theirs = client(http, **{"x-tandem-tenant": "acme"}), client(http, **{"x-tandem-tenant": "globex"})
+    kept = mine.responses.create(model="tandem-tiny", input=ASK[0]["content"], max_output_tokens=4, temperature=0)
+    for reach in (lambda: theirs.responses.retrieve(kept.id), lambda: theirs.responses.delete(kept.id),
+                  lambda: theirs.responses.create(model="tandem-tiny", previous_response_id=kept.id, input="Hi",
+                                                  max_output_tokens=4)):
+        with pytest.raises(openai.NotFoundError):
+            reach()
+    assert mine.responses.retrieve(kept.id).output_text == kept.output_text  # untouched by the other's delete
+
+
+def test_stored_response_rpcs_check_what_they_keep(cluster):
+    """The Tandem API's side: ids and JSON are checked (INVALID_ARGUMENT), a
+    time to live is kept, an unknown id is NOT_FOUND."""
+    from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = tandem_pb2_grpc.TandemStub(channel)
+        for bad in (tandem_pb2.StoredResponse(response_id="a/b", body_json="{}"),
+                    tandem_pb2.StoredResponse(response_id="x" * 129, body_json="{}"),
+                    tandem_pb2.StoredResponse(response_id="resp_ok", body_json="[1]"),
+                    tandem_pb2.StoredResponse(response_id="resp_ok", body_json="{not json")):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.PutStoredResponse(bad, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        reply = stub.PutStoredResponse(tandem_pb2.StoredResponse(response_id="resp_rpc", body_json='{"a": 1}',
+                                                                 ttl_seconds=30), timeout=10)
+        assert reply.ttl_seconds == 30 and 0 < redis.Redis.from_url(REDIS_URL).ttl("tandem:default:response:resp_rpc") <= 30
+        got = stub.GetStoredResponse(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10)
+        assert json.loads(got.body_json) == {"a": 1}
+        assert stub.DeleteStoredResponse(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10).deleted
+        assert not stub.DeleteStoredResponse(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10).deleted
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.GetStoredResponse(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_kept_input_items_have_ids_types_and_parts():
+    from orchestrator.openai_responses import input_items, previous_items, record
+
+    items = input_items({"input": [{"role": "user", "content": "Hi"},
+                                   {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                   {"type": "function_call_output", "call_id": "c1", "output": "1", "id": "fco_9"}]})
+    assert items[0]["id"].startswith("msg_") and items[1]["id"].startswith("fc_")
+    assert items[0] == {"id": items[0]["id"], "type": "message", "role": "user",
+                        "content": [{"type": "input_text", "text": "Hi"}]}
+    assert items[2]["id"] == "fco_9"  # given ids are kept
+    assert input_items({"input": "Hey"})[0]["content"] == [{"type": "input_text", "text": "Hey"}]
+    out = [{"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Yo"}]}]
+    assert previous_items(record({"output": out}, items)) == [*items, *out]

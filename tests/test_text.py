@@ -7,7 +7,9 @@ import pytest
 from orchestrator.backends import DraftBlock, VerifyResult
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome, _short_of_stop
 from orchestrator.store import SessionStore
+from orchestrator.text import cut_at_stop
 from tandem.sampling import SamplingParams
+from tandem.v1 import tandem_pb2
 from tests.conftest import REDIS_URL
 
 ALPHABET = " abcdefghijklmnopqrstuvwxyzEND<>"
@@ -35,7 +37,7 @@ class ScriptedVerifier:
         return VerifyResult(accepted=0, next_token=self.ids[prefix.length + len(new_tokens) - 1])
 
 
-def _stream(script: str, stop: tuple[str, ...], max_tokens: int = 20):
+def _stream(script: str, stop: tuple[str, ...], max_tokens: int = 20, include_stop: bool = False):
     async def run():
         store = SessionStore(REDIS_URL)
         generation = Generation(ScriptedProposer(), ScriptedVerifier(script), store, CharTokenizer(), set(),
@@ -43,7 +45,7 @@ def _stream(script: str, stop: tuple[str, ...], max_tokens: int = 20):
         record = await store.create("t-stop")
         deltas, outcome, final = [], TurnOutcome(), None
         try:
-            params = RequestParams(SamplingParams(), max_tokens=max_tokens, stop=stop)
+            params = RequestParams(SamplingParams(), max_tokens=max_tokens, stop=stop, include_stop=include_stop)
             async for event in generation.run(record, [0], params, outcome):
                 if event.HasField("delta"):
                     deltas.append(event.delta.text)
@@ -81,3 +83,23 @@ def test_text_held_back_for_a_stop_that_does_not_come_is_sent_with_the_next_roun
 ])
 def test_short_of_stop(text, stops, expected):
     assert _short_of_stop(text, stops) == expected
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_and_holds_nothing_back():
+    deltas, outcome, final = _stream("hello ENDworld", stop=("END",), include_stop=True)
+    assert "".join(deltas) == outcome.text == "hello END"
+    assert deltas == list("hello END")  # one a round: "E" and "EN" are not held back
+    assert final.usage.completion_tokens == 9 and final.finish_reason == tandem_pb2.FINISH_REASON_STOP
+    deltas, outcome, _ = _stream("a <b <END", stop=("<END>",), max_tokens=9, include_stop=True)
+    assert deltas == list("a <b <END") and outcome.text == "a <b <END"
+
+
+@pytest.mark.parametrize("text, stops, include, expected", [
+    ("say END now", ("END",), False, "say "),
+    ("say END now", ("END",), True, "say END"),
+    ("x ab abc", ("abc", "ab"), True, "x ab"),  # the first to begin
+    ("xabcd", ("abcd", "abc"), True, "xabc"),  # of two that begin there, the shorter
+    ("no stop", ("END",), True, "no stop"),
+])
+def test_cut_at_stop(text, stops, include, expected):
+    assert cut_at_stop(text, stops, include) == expected
