@@ -111,3 +111,24 @@ def test_the_http_api_takes_the_key_from_the_authorization_header(secured, char_
                 assert (reply.status, len(json.load(reply)["tokens"])) == (status, 3)
         except urllib.error.HTTPError as err:
             assert err.code == status, headers
+
+
+def test_a_stored_response_is_its_keys_tenants(secured):
+    """The stored responses' rpcs (the HTTP API's previous_response_id) need a
+    key, and the key's tenant alone reaches what it stored."""
+    from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+    cluster, _ = secured
+    ref = tandem_pb2.StoredResponseRef(response_id="resp_alices")
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = tandem_pb2_grpc.TandemStub(channel)
+        as_alice, as_bob = ((("authorization", f"Bearer {key}"),) for key in (ALICE, BOB))
+        put = tandem_pb2.StoredResponse(response_id="resp_alices", body_json='{"output": []}')
+        for call in (lambda: stub.PutStoredResponse(put, timeout=10), lambda: stub.GetStoredResponse(ref, timeout=10),
+                     lambda: stub.DeleteStoredResponse(ref, timeout=10)):
+            assert _code(call)[0] == grpc.StatusCode.UNAUTHENTICATED
+        stub.PutStoredResponse(put, metadata=as_alice, timeout=10)
+        assert _code(lambda: stub.GetStoredResponse(ref, metadata=as_bob, timeout=10))[0] == grpc.StatusCode.NOT_FOUND
+        assert not stub.DeleteStoredResponse(ref, metadata=as_bob, timeout=10).deleted
+        assert stub.GetStoredResponse(ref, metadata=as_alice, timeout=10).body_json == '{"output": []}'
+        assert stub.DeleteStoredResponse(ref, metadata=as_alice, timeout=10).deleted
