@@ -33,7 +33,9 @@ content, no calls.
 
 Streamed, `read` follows the JSON formats' calls (and tool_choice "required"'s
 list) as they are written, for each call's arguments to go out as they grow;
-a call's arguments are the model's own JSON text, in whole answers too."""
+a call's arguments are the model's own JSON text, in whole answers too. The
+pythonic format's calls go out one by one, each whole once its closing
+parenthesis is written (its arguments are Python, written out as JSON)."""
 from __future__ import annotations
 
 import ast
@@ -130,7 +132,7 @@ class Reading:
 def read(parser: str, text: str) -> Reading:
     """The calls of a streamed answer as far as they go, for their arguments
     to go out as the model writes them ("required" is tool_choice's list).
-    The pythonic format's calls are Python, read whole: none here."""
+    The pythonic format's calls are Python: each is read whole, once closed."""
     if parser == "hermes":
         reading, at = Reading(), text.find(_HERMES_OPEN)
         while at >= 0:
@@ -158,7 +160,57 @@ def read(parser: str, text: str) -> Reading:
     if parser == "required":
         at = _skip_space(text, 0)
         return _read_calls(text, at + 1, "parameters", ",", "]") if text.startswith("[", at) else Reading()
+    if parser == "pythonic":
+        return _read_pythonic(text)
     return Reading()
+
+
+def _read_pythonic(text: str) -> Reading:
+    """The pythonic list's calls that are closed so far, each whole: a scan
+    of brackets outside string literals finds where each element ends, and
+    `_python_call` reads it. A text that stops being such a list stops the
+    reading (the whole answer's parse then decides)."""
+    at = _skip_space(text, 0)
+    if text.startswith(_PYTHON_START, at):
+        at = _skip_space(text, at + len(_PYTHON_START))
+    reading = Reading(after=at)
+    if not text.startswith("[", at):
+        return reading
+    start, depth, quote, i = _skip_space(text, at + 1), 0, "", at + 1
+    while i < len(text):
+        char = text[i]
+        if quote:  # inside a string literal: its closing quote, past escapes
+            if char == "\\":
+                i += 2
+                continue
+            if text.startswith(quote, i):
+                i += len(quote)
+                quote = ""
+                continue
+        elif char in "'\"":
+            quote = char * 3 if text.startswith(char * 3, i) else char
+            i += len(quote)
+            continue
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+            if depth < 0:  # the list's own bracket
+                reading.closed, reading.after = char == "]" and bool(reading.calls), i + 1
+                break
+            if depth == 0:
+                call = _python_call(text[start:i + 1]) if char == ")" else None
+                if call is None:
+                    break
+                reading.calls.append(Begun(call[0], json.dumps(call[1], ensure_ascii=False), i + 1))
+                reading.after = i + 1
+                start = _skip_space(text, i + 1)
+                if start < len(text) and text[start] not in ",]":
+                    break
+                if text.startswith(",", start):
+                    start = _skip_space(text, start + 1)
+        i += 1
+    return reading
 
 
 def _read_calls(text: str, at: int, arguments_key: str, separator: str, closer: str | None) -> Reading:
@@ -329,18 +381,28 @@ def _pythonic(text: str):
         return None
     if not isinstance(tree, ast.List) or not tree.elts:
         return None
-    calls = []
-    for element in tree.elts:
-        if not (isinstance(element, ast.Call) and isinstance(element.func, ast.Name) and not element.args):
-            return None  # a call of a plain name, by keyword arguments only
-        try:
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in element.keywords}
-        except ValueError:
-            return None
-        if None in arguments:  # **kwargs
-            return None
-        calls.append((element.func.id, arguments))
-    return "", calls
+    calls = [_call_node(element) for element in tree.elts]
+    return None if None in calls else ("", calls)
+
+
+def _python_call(text: str) -> tuple[str, dict] | None:
+    """One element of the pythonic list, `name(key=literal, ...)`, or None."""
+    try:
+        return _call_node(ast.parse(text.strip(), mode="eval").body)
+    except SyntaxError:
+        return None
+
+
+def _call_node(node) -> tuple[str, dict] | None:
+    """A call of a plain name by keyword arguments of literal values, or None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+        return None
+    try:
+        arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        json.dumps(arguments, allow_nan=False)  # values JSON has (not a set, bytes or NaN)
+    except (ValueError, TypeError):
+        return None
+    return None if None in arguments else (node.func.id, arguments)  # None: **kwargs
 
 
 _PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "pythonic": _pythonic}

@@ -187,13 +187,49 @@ def test_a_required_list_cut_before_a_calls_arguments_keeps_its_complete_calls_a
     assert not _assembled(chunks)
 
 
-def test_a_pythonic_answer_goes_out_whole_at_its_end():
-    text = '[get_weather(city="Oslo", days=[1, 2]), get_time()]'
-    chunks = _stream(_auto("pythonic"), text, tandem_pb2.FINISH_REASON_EOS, 3)
+PYTHONIC = ('[get_weather(city="Oslo", days=[1, 2]), get_weather(city=\'Paris "Ville" {x}\'),\n'
+            ' get_time()]')
+
+
+@pytest.mark.parametrize("size", [1, 3, 200])
+def test_pythonic_calls_go_out_one_by_one_each_whole_once_its_parenthesis_closes(size):
+    chunks = _stream(_auto("pythonic"), PYTHONIC, tandem_pb2.FINISH_REASON_EOS, size)
     streamed = _assembled(chunks)
-    assert _named(streamed) == [CALLS[0], CALLS[2]] and [c["deltas"] for c in streamed] == [1, 1]
-    assert all("tool_calls" not in c["choices"][0]["delta"] for c in chunks[:-2])
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert _named(streamed) == CALLS and [c["deltas"] for c in streamed] == [1, 1, 1]
+    whole = _whole(_auto("pythonic", stream=False), PYTHONIC, tandem_pb2.FINISH_REASON_EOS)
+    assert [c["function"] for c in whole["message"]["tool_calls"]] == [c["function"] for c in streamed]
+    assert whole["message"]["content"] is None and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)  # nothing of the calls as text
+    # Each call goes out with the delta that writes its closing parenthesis: its token ids count characters.
+    closes = [PYTHONIC.index("2])") + 3, PYTHONIC.index("}')") + 3, len(PYTHONIC) - 1]
+    sent_with = [c["choices"][0]["token_ids"][-1] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    if size == 1:
+        assert sent_with == [close - 1 for close in closes]
+    elif size == 200:  # one delta: the three calls in one chunk
+        assert sent_with == [0]
+
+
+@pytest.mark.parametrize("text", ['[get_time(), 7]', '[get_time(), f(x={1, 2})]', '[get_time()] and more'])
+def test_a_pythonic_answer_that_breaks_off_keeps_the_calls_that_went_out(text):
+    """A call that went out stays, as with the JSON formats; the rest of the
+    text is not sent as content."""
+    chunks = _stream(_auto("pythonic"), text, tandem_pb2.FINISH_REASON_EOS, 1)
+    assert _named(_assembled(chunks)) == [("get_time", {})]
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
+
+
+def test_pythonic_calls_are_read_in_the_making_only_once_closed():
+    seen = 0
+    for cut in range(len(PYTHONIC) + 1):
+        reading = tool_parsers.read("pythonic", PYTHONIC[:cut])
+        assert [(c.name, json.loads(c.arguments)) for c in reading.calls] == CALLS[:len(reading.calls)]
+        assert len(reading.calls) >= seen and all(c.end is not None for c in reading.calls)
+        seen = len(reading.calls)
+        assert reading.closed == (cut == len(PYTHONIC))
+    with_tags = tool_parsers.read("pythonic", f"<|python_start|>{PYTHONIC}<|python_end|>")
+    assert [c.name for c in with_tags.calls] == [name for name, _ in CALLS] and with_tags.closed
+    assert tool_parsers.read("pythonic", "Sure: [get_time()]").calls == []  # text first: not calls
+    assert tool_parsers.read("pythonic", '[f(x=float("nan"))]').calls == []  # not a literal
 
 
 def test_text_held_back_by_a_tool_parser_keeps_its_token_ids_and_log_probabilities():
