@@ -442,15 +442,15 @@ async def _send(out: web.StreamResponse, payload: dict, event: str | None = None
     await out.write(named + b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
 
-async def start(gateway: Gateway, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serves `gateway` on host:port (0 picks one); returns the runner (its
-    cleanup() stops it) and the port."""
+async def start(gateway: Gateway, host: str, port: int, ssl_context=None) -> tuple[web.AppRunner, int]:
+    """Serves `gateway` on host:port (0 picks one), over TLS with `ssl_context`;
+    returns the runner (its cleanup() stops it) and the port."""
     # handler_cancellation: a client that disconnects cancels its handler, and
     # with it the generation (Gateway._answer), instead of decoding for nobody.
     runner = web.AppRunner(gateway.app, access_log=None, shutdown_timeout=10.0, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = runner.addresses[0][1]
-    log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, bound)
+    log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if ssl_context else "http", host, bound)
     return runner, bound

@@ -513,14 +513,16 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         await asyncio.gather(self.proposer.close(), self.verifier.close(), self.store.close())
 
 
-def build_server(address: str, config: OrchestratorConfig):
+def build_server(address: str, config: OrchestratorConfig, tls=None, local_socket: str = ""):
     """Returns (server, port, health, servicer); the caller starts the server and
-    may await servicer.connect() first."""
+    may await servicer.connect() first. `tls`: a tandem.tls.ServerTls to serve
+    with; `local_socket`: a Unix socket it also serves on, without TLS."""
     servicer = OrchestratorServicer(config)
 
     def register(server):
         tandem_pb2_grpc.add_TandemServicer_to_server(servicer, server)
         return SERVICE_NAME
 
-    server, port, health = serving.create_server(address, [register])
+    server, port, health = serving.create_server(address, [register], tls.grpc_credentials() if tls else None,
+                                                 local_socket)
     return server, port, health, servicer

@@ -6,7 +6,9 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
 # Idle OpenMP threads spin about a millisecond before they sleep, unless the
 # environment sets a policy: long enough to bridge the gaps between a forward's
@@ -46,7 +48,8 @@ def _serve(args) -> None:
             logging.getLogger("tandem").debug("start-up failed", exc_info=True)
             raise StartupError(_words(err)) from err
         await server.start()
-        http = await _start_http(args, port) if args.role == "orchestrator" and args.http_port is not None else None
+        http = await _start_http(args, port, public) if args.role == "orchestrator" and args.http_port is not None \
+            else None
         serving.freeze_startup_objects()
         await serving.set_serving(health, [name], True)
         logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
@@ -56,8 +59,12 @@ def _serve(args) -> None:
             runner, gateway = http
             await runner.cleanup()
             await gateway.close()
+        if public.get("socket"):
+            shutil.rmtree(os.path.dirname(public["socket"]), ignore_errors=True)
         if args.role == "target":
             await servicer.relay.close()
+
+    public = {}  # the orchestrator's TLS, and where its in-process HTTP gateway dials it
 
     async def build():
         if args.role == "orchestrator":
@@ -80,10 +87,22 @@ def _serve(args) -> None:
                 quotas=QuotaConfig(max_requests=args.tenant_max_requests,
                                    tokens_per_minute=args.tenant_tokens_per_minute),
             )
+            from tandem.tls import ServerTls
+
+            if bool(args.tls_cert) != bool(args.tls_key):
+                raise ValueError("--tls-cert and --tls-key go together: the certificate and its private key")
+            if args.tls_client_ca and not args.tls_cert:
+                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are asked "
+                                 "for over TLS")
+            public["tls"] = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+            if public["tls"] is not None and args.http_port is not None:
+                # Behind TLS, the gateway dials a Unix socket of this process's own (its
+                # directory is the user's alone), not the TLS port, whose name it cannot check.
+                public["socket"] = os.path.join(tempfile.mkdtemp(prefix="tandem-orchestrator-"), "grpc.sock")
             _keep_torch_out()
             from orchestrator.server import build_server
 
-            server, port, health, servicer = build_server(address, config)
+            server, port, health, servicer = build_server(address, config, public["tls"], public.get("socket", ""))
             await servicer.connect(wait_s=args.wait)
             name = "tandem.v1.Tandem"
             draining = None
@@ -118,14 +137,17 @@ def _serve(args) -> None:
         observability.shutdown()  # flushes the spans not exported yet
 
 
-async def _start_http(args, grpc_port: int):
-    """The HTTP API in this process, dialling the orchestrator's own gRPC port."""
+async def _start_http(args, grpc_port: int, public: dict):
+    """The HTTP API in this process, dialling the orchestrator's own gRPC port
+    (behind TLS, its Unix socket), over TLS where the gRPC API is."""
     from orchestrator.http_gateway import Gateway, start
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    gateway = Gateway(f"{host}:{grpc_port}", args.served_model_name, args.tool_call_parser)
+    dial = f"unix:{public['socket']}" if public.get("socket") else f"{host}:{grpc_port}"
+    gateway = Gateway(dial, args.served_model_name, args.tool_call_parser)
+    tls = public.get("tls")
     try:
-        runner, port = await start(gateway, args.host, args.http_port)
+        runner, port = await start(gateway, args.host, args.http_port, tls.ssl_context() if tls else None)
     except OSError as err:
         await gateway.close()
         raise StartupError(f"the HTTP API on {args.host}:{args.http_port}: {err}") from err
@@ -183,6 +205,18 @@ def _print_result(result, args) -> None:
     )
 
 
+def _client_tls(args):
+    """The client's TLS (--tls, --tls-ca, --tls-cert and --tls-key), or None: plaintext."""
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    from tandem.tls import channel_credentials
+
+    try:
+        return channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as err:
+        raise SystemExit(f"tandem: {err}") from err
+
+
 def _generate(args) -> int:
     from tandem.client import TandemClient, collect
 
@@ -192,7 +226,8 @@ def _generate(args) -> int:
     if args.suffix is not None and args.prompt is None:
         print("tandem generate: --suffix needs a text prompt (the text before the middle)", file=sys.stderr)
         return 2
-    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key) as client:
+    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key,
+                      tls=_client_tls(args)) as client:
         stream = client.generate_stream(args.prompt, args.prompt_ids, prompt_logprobs=args.prompt_logprobs,
                                         suffix=args.suffix, **sampling_kwargs(args))
         show = None if args.json else (lambda d: print(d.text or "", end="", flush=True))
@@ -204,7 +239,8 @@ def _generate(args) -> int:
 def _chat(args) -> int:
     from tandem.client import TandemClient, collect
 
-    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key) as client:
+    with TandemClient(args.address, tenant=args.tenant, timeout_s=args.timeout, api_key=args.api_key,
+                      tls=_client_tls(args)) as client:
         session = client.create_session(system_prompt=args.system)
         print(f"session {session}; an empty line or Ctrl-D ends the chat", file=sys.stderr)
         try:

@@ -102,6 +102,14 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY") or None,
                    help="the key of a server run with --api-keys, sent as 'authorization: Bearer KEY' "
                         "(default: $TANDEM_API_KEY, else none sent)")
+    p.add_argument("--tls", action="store_true",
+                   help="dial the orchestrator over TLS, checking its certificate against the system's roots")
+    p.add_argument("--tls-ca", default=os.environ.get("TANDEM_TLS_CA", ""), metavar="FILE",
+                   help="dial over TLS, checking the orchestrator's certificate against this CA (PEM; default: "
+                        "$TANDEM_TLS_CA)")
+    p.add_argument("--tls-cert", default="", metavar="FILE",
+                   help="this client's certificate (PEM), for a server run with --tls-client-ca; with --tls-key")
+    p.add_argument("--tls-key", default="", metavar="FILE", help="the private key of --tls-cert (PEM)")
     p.add_argument("--max-tokens", type=_int_in(1, INT32_MAX), default=None,
                    help="most tokens to generate (server default 128)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
@@ -262,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--http-port", type=_int_in(0, 65535), default=None,
                       help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                            "/v1/models, /health) on this port of --host; 0 picks one (default: off)")
+    orch.add_argument("--tls-cert", default=os.environ.get("TANDEM_TLS_CERT", ""), metavar="FILE",
+                      help="serve the gRPC API, and the HTTP API of --http-port, over TLS with this certificate "
+                           "chain (PEM; with --tls-key). The hops to the model services stay plaintext: a "
+                           "service mesh's mutual TLS covers those (env TANDEM_TLS_CERT; default: no TLS)")
+    orch.add_argument("--tls-key", default=os.environ.get("TANDEM_TLS_KEY", ""), metavar="FILE",
+                      help="the private key of --tls-cert (PEM; env TANDEM_TLS_KEY)")
+    orch.add_argument("--tls-client-ca", default=os.environ.get("TANDEM_TLS_CLIENT_CA", ""), metavar="FILE",
+                      help="with --tls-cert: require client certificates signed by this CA, on both APIs "
+                           "(mutual TLS; env TANDEM_TLS_CLIENT_CA)")
     orch.add_argument("--served-model-name", default="",
                       help="the model id the HTTP API lists and requests name (default: the target model's id)")
     orch.add_argument("--tool-call-parser", choices=tool_parsers.PARSERS, default=None,

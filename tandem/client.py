@@ -63,9 +63,13 @@ def params_message(**kwargs) -> tandem_pb2.GenerationParams:
 
 class TandemClient:
     def __init__(self, address: str, tenant: str | None = None, timeout_s: float | None = None,
-                 api_key: str | None = None):
-        """api_key: sent as "authorization: Bearer KEY", for a server run with --api-keys."""
-        self.channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS])
+                 api_key: str | None = None, tls: grpc.ChannelCredentials | None = None):
+        """api_key: sent as "authorization: Bearer KEY", for a server run with
+        --api-keys. tls: dial over TLS with these credentials
+        (tandem.tls.channel_credentials), for a server run with --tls-cert."""
+        options = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS]
+        self.channel = grpc.insecure_channel(address, options=options) if tls is None \
+            else grpc.secure_channel(address, tls, options=options)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self.metadata = ((("x-tandem-tenant", tenant),) if tenant else ()) + (
             (("authorization", f"Bearer {api_key}"),) if api_key else ())

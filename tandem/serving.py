@@ -50,11 +50,14 @@ CACHE_MISS_KEY = "tandem-cache-miss"
 
 
 def create_server(
-    address: str, register: Iterable[Callable[[grpc.aio.Server], str]]
+    address: str, register: Iterable[Callable[[grpc.aio.Server], str]], credentials=None, local_socket: str = ""
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Builds (does not start) a server on `address` ("host:0" picks a free port).
 
     `register` are functions that add a servicer and return its full service name.
+    `credentials`: grpc.ServerCredentials to serve TLS with (tandem.tls);
+    `local_socket`: a Unix socket path it also serves on, without TLS (the
+    in-process HTTP gateway's way in).
     Returns the server, the bound port and its health servicer."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     names = [add(server) for add in register]
@@ -62,7 +65,10 @@ def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials is not None \
+            else server.add_insecure_port(address)
+        if local_socket:
+            server.add_insecure_port(f"unix:{local_socket}")
     except RuntimeError:  # grpc's words: "Failed to bind to address"
         port = 0
     if port == 0:

@@ -56,22 +56,28 @@ def test_each_service_exposes_its_deployments_named_ports():
             assert forwarded == {p.get("name"): p["containerPort"] for p in container["ports"]}, path.name
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to render")
-def test_the_api_keys_component_gives_the_orchestrator_its_keys_file(tmp_path, monkeypatch):
-    """components/api-keys on the cpu overlay: the Secret is mounted where the
-    orchestrator's $TANDEM_API_KEYS_FILE points, which its --api-keys reads."""
+def _with_component(tmp_path, component: str) -> tuple[dict, dict]:
+    """The cpu overlay with a component, rendered by kustomize: the
+    orchestrator's pod spec and its container."""
     overlay = tmp_path / "overlay"
     overlay.mkdir()
     relative = Path(os.path.relpath(K8S, overlay))
     (overlay / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources: [{relative / 'overlays' / 'cpu'}]\ncomponents: [{relative / 'components' / 'api-keys'}]\n")
+        f"resources: [{relative / 'overlays' / 'cpu'}]\ncomponents: [{relative / 'components' / component}]\n")
     rendered = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
     assert rendered.returncode == 0, rendered.stderr
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
     orchestrator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tandem-orchestrator")
     spec = orchestrator["spec"]["template"]["spec"]
-    container = spec["containers"][0]
+    return spec, spec["containers"][0]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to render")
+def test_the_api_keys_component_gives_the_orchestrator_its_keys_file(tmp_path, monkeypatch):
+    """components/api-keys on the cpu overlay: the Secret is mounted where the
+    orchestrator's $TANDEM_API_KEYS_FILE points, which its --api-keys reads."""
+    spec, container = _with_component(tmp_path, "api-keys")
     env = {e["name"]: e["value"] for e in container["env"]}
     mount = next(m for m in container["volumeMounts"] if m["name"] == "api-keys")
     volume = next(v for v in spec["volumes"] if v["name"] == "api-keys")
@@ -79,3 +85,28 @@ def test_the_api_keys_component_gives_the_orchestrator_its_keys_file(tmp_path, m
     assert Path(env["TANDEM_API_KEYS_FILE"]).parent == Path(mount["mountPath"])
     monkeypatch.setenv("TANDEM_API_KEYS_FILE", env["TANDEM_API_KEYS_FILE"])
     assert build_parser().parse_args(container["args"]).api_keys == env["TANDEM_API_KEYS_FILE"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to render")
+def test_the_tls_component_gives_the_orchestrator_its_certificate_and_probes_it_over_https(tmp_path, monkeypatch):
+    """components/tls: the tls Secret's files are where $TANDEM_TLS_CERT and
+    $TANDEM_TLS_KEY point (--tls-cert, --tls-key), and the probes, which the
+    kubelet cannot make over TLS with gRPC, are HTTPS GETs of /health on the
+    HTTP API's port."""
+    spec, container = _with_component(tmp_path, "tls")
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
+    volume = next(v for v in spec["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == "tandem-tls" and mount["readOnly"]
+    # `kubectl create secret tls` names its files tls.crt and tls.key
+    assert env["TANDEM_TLS_CERT"] == f"{mount['mountPath']}/tls.crt"
+    assert env["TANDEM_TLS_KEY"] == f"{mount['mountPath']}/tls.key"
+    monkeypatch.setenv("TANDEM_TLS_CERT", env["TANDEM_TLS_CERT"])
+    monkeypatch.setenv("TANDEM_TLS_KEY", env["TANDEM_TLS_KEY"])
+    args = build_parser().parse_args(container["args"])
+    assert (args.tls_cert, args.tls_key) == (env["TANDEM_TLS_CERT"], env["TANDEM_TLS_KEY"])
+    http = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    assert args.http_port == http
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": http, "scheme": "HTTPS"}, probe
+        assert "grpc" not in container[probe]
