@@ -16,7 +16,9 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
+import uuid
 
 import grpc
 from aiohttp import web
@@ -33,6 +35,8 @@ from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 log = logging.getLogger(__name__)
 TENANT_HEADER = "x-tandem-tenant"
+REQUEST_ID_HEADER = "X-Request-Id"  # the client's, or one made up; answered, and passed on as gRPC metadata
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on as gRPC metadata
 INFO_TIMEOUT_S = 10.0
 
@@ -51,7 +55,8 @@ class Gateway:
         self._finishing: set[asyncio.Task] = set()  # calls read to their end after their final event
         # A body as large as a gRPC message (aiohttp's default is 1 MiB: a long
         # conversation, or a long prompt as token ids, would not fit).
-        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_MESSAGE_BYTES)
+        self.app = web.Application(middlewares=[self._request_id, self._errors], client_max_size=MAX_MESSAGE_BYTES)
+        self.app.on_response_prepare.append(self._answer_request_id)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -70,6 +75,21 @@ class Gateway:
         await self.channel.close()
 
     # --- helpers -----------------------------------------------------------------------
+    @web.middleware
+    async def _request_id(self, request: web.Request, handler):
+        """The request's id: the client's X-Request-Id where it gives a usable
+        one, else a new one. Every answer carries it back (streams too), the
+        orchestrator gets it as "x-request-id" metadata (its spans'
+        tandem.request_id, its logs), and it is the suffix of the answer's id."""
+        given = request.headers.get(REQUEST_ID_HEADER, "")
+        request["request_id"] = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        return await handler(request)
+
+    @staticmethod
+    async def _answer_request_id(request: web.Request, response: web.StreamResponse) -> None:
+        if "request_id" in request:
+            response.headers[REQUEST_ID_HEADER] = request["request_id"]
+
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
@@ -104,6 +124,7 @@ class Gateway:
         pairs = [(TENANT_HEADER, request.headers.get(TENANT_HEADER, "")),
                  ("authorization", request.headers.get("Authorization", ""))]
         pairs += [(name, request.headers.get(name, "")) for name in TRACE_HEADERS]
+        pairs.append(("x-request-id", request.get("request_id", "")))
         return tuple((k, v) for k, v in pairs if v)
 
     @staticmethod
@@ -266,7 +287,7 @@ class Gateway:
                 answer = await self._stream(request, call, model, rpcs, streams, shape)
             else:
                 answers = await _all([_collect(events) for events in streams])
-                whole = response(call, model, answers)
+                whole = response(call, model, answers, request.get("request_id"))
                 if shape is not None:
                     whole = shape.whole(whole)
                     await self._keep(request, shape, whole)
@@ -303,7 +324,7 @@ class Gateway:
         firsts = await _all([anext(events, None) for events in streams])
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
-        chunks = Chunks(call, model)
+        chunks = Chunks(call, model, request.get("request_id"))
         events = None if shape is None else shape.events()
 
         async def send(chunk: dict) -> None:

@@ -40,8 +40,10 @@ def _required_calls(text: str) -> tuple[str | None, list[dict] | None]:
     return (None if closed else text[end:]), (calls or None)
 
 
-def new_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+def new_id(chat: bool, request_id: str | None = None) -> str:
+    """An answer's id: the request's id (the HTTP API's X-Request-Id) after
+    OpenAI's prefix, or a new one."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
 
 
 def usage(call: Call, finals: list[tandem_pb2.Completion]) -> dict:
@@ -141,7 +143,7 @@ class Answer:
             self.prompt = delta.prompt
 
 
-def response(call: Call, model: str, answers: list[Answer]) -> dict:
+def response(call: Call, model: str, answers: list[Answer], request_id: str | None = None) -> dict:
     """The whole answer of a request that did not stream. "tandem": the
     speculation stats; with n > 1, a list of each choice's."""
     choices = []
@@ -175,7 +177,7 @@ def response(call: Call, model: str, answers: list[Answer]) -> dict:
         choices.append(choice)
     finals = [answer.final for answer in answers]
     stats = [speculation(final) for final in finals]
-    return {"id": new_id(call.chat), "object": "chat.completion" if call.chat else "text_completion",
+    return {"id": new_id(call.chat, request_id), "object": "chat.completion" if call.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": usage(call, finals),
             "tandem": stats[0] if call.choices == 1 else stats}
 
@@ -199,9 +201,9 @@ class Chunks:
     Where the text is held back (tool calls in the making), so are its token
     ids and log probabilities: they go out with the choice's next chunk."""
 
-    def __init__(self, call: Call, model: str):
+    def __init__(self, call: Call, model: str, request_id: str | None = None):
         self.call, self.model = call, model
-        self.id, self.created = new_id(call.chat), int(time.time())
+        self.id, self.created = new_id(call.chat, request_id), int(time.time())
         self._role_sent: set[int] = set()  # choices whose first chunk went out
         self._call_ids: dict[int, str] = {}  # a named tool_choice: each choice's call id
         self._said: dict[int, str] = {}  # "required" and "auto": each choice's text so far

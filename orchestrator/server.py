@@ -417,10 +417,12 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         trace context. A finished chat turn adds the messages `added` (the user's
         turn; none when the record holds the conversation already) and the reply
         to the history before the lock is released; added=None keeps no history."""
+        request_id = request_id_of(context)
         with telemetry.request_span(f"{SERVICE_NAME}/{method}", context) as span:
             if span.is_recording():
                 span.set_attributes({"tandem.tenant": record.tenant, "tandem.max_tokens": params.max_tokens,
-                                     "tandem.temperature": params.sampling.temperature})
+                                     "tandem.temperature": params.sampling.temperature,
+                                     **({"tandem.request_id": request_id} if request_id else {})})
             try:
                 async with self.store.lock(record):
                     await self.store.refresh(record)  # the record was loaded before the lock
@@ -444,8 +446,8 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                     f"a model service failed mid-generation ({err}); the tokens streamed so far are committed",
                 )
             except grpc.aio.AioRpcError as err:  # a model service refused a call: a bug, not the client's input
-                log.error("a model service refused a call of session %s: %s: %s", record.session_id,
-                          err.code().name, err.details())
+                log.error("a model service refused a call of session %s (request %s): %s: %s", record.session_id,
+                          request_id or "-", err.code().name, err.details())
                 await context.abort(
                     grpc.StatusCode.INTERNAL,
                     f"a model service refused a call ({err.code().name}: {err.details()}); "
@@ -511,6 +513,14 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         if self._pairing is not None:
             self._pairing.cancel()
         await asyncio.gather(self.proposer.close(), self.verifier.close(), self.store.close())
+
+
+def request_id_of(context) -> str:
+    """The call's "x-request-id" metadata (the HTTP API's X-Request-Id), or ""."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return value[:128]
+    return ""
 
 
 def build_server(address: str, config: OrchestratorConfig, tls=None, local_socket: str = ""):

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
 from tests.test_logprobs import ATOL, reference_logprobs
+from tests.test_telemetry import recorded  # noqa: F401 (a fixture)
 
 SYSTEM = "Answer briefly."
 
@@ -603,3 +604,31 @@ def test_chat_template_kwargs_are_the_templates_variables(char_models):
     assert template.first_turn_text(messages) == "user: hi\nassistant: "
     assert template.first_turn_text([*messages, {"role": "assistant", "content": "Ho"}],
                                     continue_final_message=True) == "user: hi\nassistant: Ho"
+
+
+def test_a_request_id_is_answered_named_in_the_answers_id_and_passed_to_the_orchestrator(http, recorded):
+    """X-Request-Id: the client's comes back (whole, streamed, and on an
+    error), names the completion, and reaches the orchestrator's span; one is
+    made up where none (or an unusable one) is given."""
+    from tests.test_telemetry import _wait_for
+
+    _, base, _ = http
+    spans, _ = recorded
+    api = client(base, **{"X-Request-Id": "req-abc_123"})
+    raw = api.completions.with_raw_response.create(model="tandem-tiny", prompt="abc", max_tokens=3, temperature=0)
+    assert raw.headers["x-request-id"] == "req-abc_123" and raw.parse().id == "cmpl-req-abc_123"
+    (generate,) = [s for s in _wait_for(spans, "tandem.v1.Tandem/Generate", 1) if s.name == "tandem.v1.Tandem/Generate"]
+    assert generate.attributes["tandem.request_id"] == "req-abc_123"
+    streamed = api.chat.completions.with_raw_response.create(
+        model="tandem-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, stream=True)
+    assert streamed.headers["x-request-id"] == "req-abc_123"
+    assert {chunk.id for chunk in streamed.parse()} == {"chatcmpl-req-abc_123"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model="tandem-tiny", prompt="abc", max_tokens=0)
+    assert refused.value.response.headers["x-request-id"] == "req-abc_123"
+    for given in (None, "has spaces in it", "x" * 129):
+        headers = {} if given is None else {"X-Request-Id": given}
+        made = client(base, **headers).completions.with_raw_response.create(model="tandem-tiny", prompt="abc",
+                                                                            max_tokens=2, temperature=0)
+        made_id = made.headers["x-request-id"]
+        assert made_id != given and len(made_id) == 32 and made.parse().id == f"cmpl-{made_id}"
