@@ -218,6 +218,8 @@ class Generation:
                     logprobs = (() if params.logprobs is None
                                 else _token_logprobs(keep, decoder.round_logprobs, self.tokenizer))
                     event = _event_delta(keep, text, logprobs)
+                    if len(completion) == len(keep):  # the first delta
+                        event.delta.prompt_tokens = cached + len(turn)
                     if echoed is not None:
                         event.delta.prompt.CopyFrom(self._echo(echoed, decoder, params))
                         echoed = None

@@ -33,6 +33,9 @@ class Call:
     tools_required: bool = False  # tool_choice "required": the answer is a list of calls
     tool_parser: str | None = None  # tool_choice "auto": the calls are parsed out of the text (tool_parsers)
     one_call: bool = False  # "parallel_tool_calls": false: at most one call ("auto" keeps the first)
+    # streamed with include_usage: each chunk has its choice's usage so far (vLLM's
+    # stream_options.continuous_usage_stats)
+    continuous_usage: bool = False
 
     @property
     def most_calls(self) -> int | None:
@@ -76,9 +79,10 @@ def _common(body, chat: bool, prompts: list[tandem_pb2.GenerateRequest], echo=()
     n = number(body, "n", 1, MAX_CHOICES, integer=True) or 1
     if len(prompts) * n > MAX_BATCH:
         raise invalid("prompt", f"at most {MAX_BATCH} choices a request: {len(prompts)} prompts times n = {n}")
-    return Call(prompts=tuple(prompts), chat=chat, stream=stream, include_usage=flag(options, "include_usage"),
+    include_usage = flag(options, "include_usage")
+    return Call(prompts=tuple(prompts), chat=chat, stream=stream, include_usage=include_usage,
                 return_token_ids=flag(body, "return_token_ids"), model=model or None, n=n, echo=tuple(echo),
-                prompt_only=prompt_only)
+                prompt_only=prompt_only, continuous_usage=include_usage and flag(options, "continuous_usage_stats"))
 
 
 def _is_ids(prompt) -> bool:

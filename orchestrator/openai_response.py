@@ -211,8 +211,13 @@ class Chunks:
         self._calls_sent: dict[int, list[str]] = {}  # "required" and "auto": each call's arguments sent so far
         self._held: dict[int, tuple[list[int], list]] = {}  # token ids and log probabilities not sent yet
         self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
+        self._counted = [[0, 0] for _ in range(call.choices)]  # each choice's prompt and completion tokens so far
 
     def _chunk(self, choices: list[dict], **more) -> dict:
+        if self.call.continuous_usage and choices and "usage" not in more:
+            prompt, completion = self._counted[choices[0]["index"]]
+            more["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
         return {"id": self.id, "object": "chat.completion.chunk" if self.call.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, **more}
 
@@ -287,6 +292,9 @@ class Chunks:
         """The chunks of a delta of choice `index`: with echo, the prompt's
         first (it comes with the choice's first delta)."""
         chunks = []
+        counted = self._counted[index]
+        counted[0] = delta.prompt_tokens or counted[0]
+        counted[1] += len(delta.token_ids)
         if self.call.echo and delta.HasField("prompt"):
             chunks.append(self._chunk([self._choice(index, _echo_text(self.call, index, delta.prompt), [], None,
                                                     _prompt_logprobs(delta.prompt))]))
@@ -312,6 +320,7 @@ class Chunks:
         "required" cut short, the text after its last complete call. A call
         that went out stays, even where the answer then breaks off (OpenAI's
         streams do the same: its arguments end where the model stopped)."""
+        self._counted[index] = [final.usage.prompt_tokens, final.usage.completion_tokens]
         reason = _finish_reason(self.call, final)
         parser, chunks = self._parser(), []
         said, sent = self._said.pop(index, ""), self._sent.pop(index, 0)

@@ -632,3 +632,27 @@ def test_a_request_id_is_answered_named_in_the_answers_id_and_passed_to_the_orch
                                                                             max_tokens=2, temperature=0)
         made_id = made.headers["x-request-id"]
         assert made_id != given and len(made_id) == 32 and made.parse().id == f"cmpl-{made_id}"
+
+
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(http):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each
+    chunk's usage counts the tokens its choice streamed so far, the last one's
+    equal to the request's usage."""
+    _, base, tokenizer = http
+    prompt = "def fib(n):\n    "
+    chunks = list(client(base).completions.create(
+        model="tandem-tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True, n=2,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"return_token_ids": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 40  # both choices
+    seen = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        seen[choice.index] += len(choice.token_ids or [])
+        assert chunk.usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert chunk.usage.completion_tokens == seen[choice.index]
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    assert seen == {0: 20, 1: 20}
+    plain = list(client(base).completions.create(model="tandem-tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 5
