@@ -20,6 +20,7 @@ import re
 import time
 import uuid
 
+import aiohttp_cors
 import grpc
 from aiohttp import web
 
@@ -44,9 +45,12 @@ INFO_TIMEOUT_S = 10.0
 class Gateway:
     """Serves the HTTP API for the orchestrator at `grpc_address`.
     `served_model_name` is the model id that /v1/models lists and requests may
-    name; empty = the target model's id, as the orchestrator reports it."""
+    name; empty = the target model's id, as the orchestrator reports it.
+    `allowed_origins`: the web origins ("https://chat.example.com", or "*")
+    whose pages' scripts may call it (CORS); none by default."""
 
-    def __init__(self, grpc_address: str, served_model_name: str = "", tool_call_parser: str | None = None):
+    def __init__(self, grpc_address: str, served_model_name: str = "", tool_call_parser: str | None = None,
+                 allowed_origins: tuple[str, ...] = ()):
         self.channel = serving.insecure_channel(grpc_address)
         self.tool_call_parser = tool_call_parser or None  # tool_choice "auto" (orchestrator.tool_parsers)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
@@ -70,6 +74,11 @@ class Gateway:
             web.post("/detokenize", self.detokenize),
             web.get("/tokenizer_info", self.tokenizer_info),
         ])
+        if allowed_origins:  # browsers on these origins may call every route (CORS, with its preflights)
+            cors = aiohttp_cors.setup(self.app, defaults={origin: aiohttp_cors.ResourceOptions(
+                allow_headers="*", expose_headers=(REQUEST_ID_HEADER,), max_age=600) for origin in allowed_origins})
+            for route in list(self.app.router.routes()):
+                cors.add(route)
 
     async def close(self) -> None:
         await self.channel.close()

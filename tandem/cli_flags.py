@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--tls-client-ca", default=os.environ.get("TANDEM_TLS_CLIENT_CA", ""), metavar="FILE",
                       help="with --tls-cert: require client certificates signed by this CA, on both APIs "
                            "(mutual TLS; env TANDEM_TLS_CLIENT_CA)")
+    orch.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                      help="web origins (https://chat.example.com, or * for any) whose pages may call the HTTP "
+                           "API from a browser: CORS headers and preflights on every route (default: none)")
     orch.add_argument("--served-model-name", default="",
                       help="the model id the HTTP API lists and requests name (default: the target model's id)")
     orch.add_argument("--tool-call-parser", choices=tool_parsers.PARSERS, default=None,

@@ -30,13 +30,13 @@ def http(char_models):
     cluster.stop()
 
 
-def _gateway(cluster: Cluster, served_model_name: str = ""):
+def _gateway(cluster: Cluster, served_model_name: str = "", **options):
     """The HTTP gateway in front of the cluster's orchestrator, on the cluster's
     loop (which its gRPC channel belongs to): (base URL, a function that stops it)."""
     from orchestrator.http_gateway import Gateway, start
 
     async def serve():
-        gateway = Gateway(cluster.address, served_model_name)
+        gateway = Gateway(cluster.address, served_model_name, **options)
         return (gateway, *await start(gateway, "127.0.0.1", 0))
 
     gateway, runner, port = cluster.run(serve())
@@ -656,3 +656,35 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(http):
     plain = list(client(base).completions.create(model="tandem-tiny", prompt=prompt, max_tokens=5, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 5
+
+
+def test_allowed_origins_answer_a_browsers_preflight_and_no_others(http):
+    """--allowed-origins: a page of an allowed origin may call the API (the
+    preflight is answered, the answer names the origin); another origin, or a
+    gateway without the flag, gets no CORS headers."""
+    cluster, closed_base, _ = http
+    open_base, stop_open = _gateway(cluster, "tandem-tiny", allowed_origins=("https://chat.example.com",))
+    try:
+        def preflight(base: str, origin: str):
+            request = urllib.request.Request(f"{base}/v1/chat/completions", method="OPTIONS", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as reply:
+                    return reply.status, reply.headers
+            except urllib.error.HTTPError as err:
+                return err.code, err.headers
+
+        status, headers = preflight(open_base, "https://chat.example.com")
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://chat.example.com"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        assert "AUTHORIZATION" in headers["Access-Control-Allow-Headers"].upper()
+        for base, origin in ((open_base, "https://evil.example.net"), (closed_base, "https://chat.example.com")):
+            status, headers = preflight(base, origin)
+            assert status >= 400 and "Access-Control-Allow-Origin" not in headers, (base, origin)
+        request = urllib.request.Request(f"{open_base}/v1/models", headers={"Origin": "https://chat.example.com"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.headers["Access-Control-Allow-Origin"] == "https://chat.example.com"
+            assert "X-Request-Id" in reply.headers["Access-Control-Expose-Headers"]
+    finally:
+        stop_open()
