@@ -57,14 +57,15 @@ class Drafter(Protocol):
 def draw(logits: torch.Tensor, call: ProposeCall, position: int, first: bool, tokens=()):
     """One drafted token from [vocab] logits at absolute `position` after
     `tokens` (the sequence before it, for penalties): (token, its probability,
-    distribution); None when the request's grammar leaves no token that this
-    draft scores (a reduced head scores only its frequent tokens)."""
+    distribution); None when the request's grammar or allowed tokens leave
+    no token that this draft scores (a reduced head scores only its frequent
+    tokens)."""
     if call.sampling.greedy:
         ranked = adjust_logits(logits[None], call.sampling, position, tokens)[0]
         token = int(ranked.argmax())
-        return None if call.sampling.grammar and ranked[token] == float("-inf") else (token, None, None)
+        return None if call.sampling.masks_tokens and ranked[token] == float("-inf") else (token, None, None)
     dist = logits_to_probs(logits[None], call.sampling, position, tokens)[0]
-    if call.sampling.grammar and not bool(dist.isfinite().all()):  # every token scored masked: 0/0
+    if call.sampling.masks_tokens and not bool(dist.isfinite().all()):  # every token scored masked: 0/0
         return None
     stream = rng.TARGET if (first and call.first_is_bonus_guess) else rng.DRAFT
     token = sample(dist, rng.uniform(call.sampling.seed, stream, position))
@@ -172,10 +173,10 @@ class _Block:
         if self.ranks:  # greedy: the token and its runner-up in one pass over the logits
             ranked = adjust_logits(logits[None], call.sampling, len(cache), cache.tokens)[0]
             token, runner_up = ranked.topk(2).indices.tolist()
-            drawn = None if call.sampling.grammar and ranked[token] == float("-inf") else (token, None, None)
+            drawn = None if call.sampling.masks_tokens and ranked[token] == float("-inf") else (token, None, None)
         else:
             drawn = draw(logits, call, position=len(cache), first=not self.tokens, tokens=cache.tokens)
-        if drawn is None:  # the grammar allows none of the tokens this draft scores
+        if drawn is None:  # the grammar (or allowed_ids) allows none of the tokens this draft scores
             if self.tokens:
                 cache.crop(len(cache) - 1)  # the history holds the drafted tokens but the last
             self.done = True

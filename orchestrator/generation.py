@@ -171,7 +171,7 @@ class Generation:
         eos = self._end_ids(params)
         ends = eos | params.stop_token_ids  # the tokens that end the request
         sampling = params.sampling
-        if sampling.penalizes:  # over the completion: from the first generated token's position on
+        if sampling.penalizes or sampling.bad_words:  # over the completion: from the first generated token on
             sampling = dataclasses.replace(sampling, penalty_start=len(record.tokens))
         if params.grammar:  # over the completion, ended by the request's end tokens once complete
             sampling = dataclasses.replace(sampling, grammar=params.grammar, grammar_start=len(record.tokens),

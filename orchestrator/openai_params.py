@@ -231,5 +231,17 @@ def generation_params(body: dict, max_tokens_names: tuple[str, ...], chat: bool)
         params.stop.extend(s for s in stop if s)
     if flag(body, "include_stop_str_in_output"):
         params.include_stop_str_in_output = True
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in allowed):
+            raise invalid("allowed_token_ids", "'allowed_token_ids' must be a list of token ids")
+        params.allowed_token_ids.extend(allowed)
+    words = body.get("bad_words")
+    if words is not None:
+        if isinstance(words, str):
+            words = [words]
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise invalid("bad_words", "'bad_words' must be a list of strings")
+        params.bad_words.extend(words)
     _logprobs(body, chat, params)
     return params

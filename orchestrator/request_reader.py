@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from orchestrator.generation import RequestParams
 from orchestrator.text import ChatTemplate
-from tandem.sampling import MAX_LOGIT_BIASES, SamplingParams
+from tandem.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIASES, SamplingParams
 from tandem.structured import FORMATS, build_grammar
 from tandem.v1 import common_pb2, tandem_pb2
 
@@ -37,6 +37,8 @@ class RequestReader:
             frequency_penalty=msg.frequency_penalty,
             repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
             min_p=msg.min_p,
+            allowed_ids=tuple(sorted(set(self.check_ids(list(msg.allowed_token_ids), "allowed_token_ids")))),
+            bad_words=self._bad_words(msg.bad_words),
         )
         if msg.stop:
             self.need_tokenizer("a stop string")
@@ -76,6 +78,26 @@ class RequestReader:
         if kind == "choice":
             return build_grammar(kind, list(msg.choice.choices))
         return build_grammar(kind, None if kind == "json_object" else getattr(msg, kind))
+
+    def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
+        """Each word's token sequences, as vLLM makes them (without special
+        tokens): the word as it is, and after a space where that gives as many
+        tokens with another first one (a tokenizer that marks word starts)."""
+        if not words:
+            return ()
+        self.need_tokenizer("bad_words")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad_words, got {len(words)}")
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            if not word.strip():
+                raise ValueError("a bad word is empty")
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (plain, spaced) if len(spaced) == len(plain) and spaced[:1] != plain[:1] else (plain,):
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return tuple(sequences)
 
     def _logit_bias(self, bias) -> tuple[tuple[int, float], ...]:
         if len(bias) > MAX_LOGIT_BIASES:

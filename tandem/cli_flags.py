@@ -119,6 +119,10 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--seed", type=_int_in(0, UINT64_MAX), default=None,
                    help="seed for reproducible sampling (default: a random one, reported in the stats)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--allowed-token-id", action="append", type=_int_in(0, INT32_MAX), default=None, metavar="ID",
+                   help="only these tokens may be generated (repeatable; vLLM's allowed_token_ids)")
+    p.add_argument("--bad-word", action="append", default=None, metavar="WORD",
+                   help="a word the completion may not hold (repeatable; vLLM's bad_words)")
     p.add_argument("--include-stop", action="store_true",
                    help="the text keeps the stop string that ended it (vLLM's include_stop_str_in_output)")
     p.add_argument("--stop-token-id", action="append", type=_int_in(0, INT32_MAX), default=None, metavar="ID",
@@ -175,6 +179,7 @@ def sampling_kwargs(args) -> dict:
     return dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, include_stop_str_in_output=args.include_stop or None, num_draft_tokens=args.k,
+        allowed_token_ids=args.allowed_token_id, bad_words=args.bad_word,
         pipeline=switch(args.pipeline),
         logprobs=True if args.logprobs is not None else None, top_logprobs=args.logprobs,
         ignore_eos=args.ignore_eos or None, stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,

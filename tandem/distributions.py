@@ -49,12 +49,35 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
     suppressed = [token for token in params.suppress_ids if token < vocab]
     if rows and suppressed:
         out[:rows, torch.tensor(suppressed, device=out.device)] = float("-inf")
+    if params.allowed_ids:
+        allowed = torch.tensor([token for token in params.allowed_ids if token < vocab], dtype=torch.long,
+                               device=out.device)
+        kept = out[:, allowed]
+        out.fill_(float("-inf"))
+        out[:, allowed] = kept
+    if params.bad_words:
+        _ban_words(out, params, first_position, tokens)
     if params.grammar:
         if params.masks is None:
             raise RuntimeError("a grammar's masks need the service's GrammarMasks (tandem.wire.sampling_from_proto)")
         apply_masks(out, params.masks.mask_rows(params.grammar, params.grammar_end_ids, params.grammar_start,
                                                 first_position, out.shape[0], tokens))
     return out
+
+
+def _ban_words(out: torch.Tensor, params: SamplingParams, first_position: int, tokens: Sequence[int]) -> None:
+    """bad_words, in place: in row i, the last token of each word whose other
+    tokens end the sequence before position first_position + i, all of them
+    within the completion (from penalty_start on)."""
+    rows, vocab = out.shape
+    assert len(tokens) >= first_position + rows - 1, "the tokens before the last row are needed"
+    for i in range(rows):
+        position = first_position + i
+        for word in params.bad_words:
+            before = len(word) - 1
+            if word[-1] < vocab and position - before >= params.penalty_start and \
+                    all(tokens[position - before + j] == word[j] for j in range(before)):
+                out[i, word[-1]] = float("-inf")
 
 
 def _repeat(out: torch.Tensor, penalty: float, first_position: int, tokens: Sequence[int]) -> None:

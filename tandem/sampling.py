@@ -15,6 +15,9 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit bias: [-100, 100]
 MAX_LOGIT_BIASES = 300  # and how many a request may give
 MAX_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [-2, 2]
+MAX_ALLOWED_IDS = 4096  # allowed_ids a request may give (each call to both services carries them)
+MAX_BAD_WORDS = 128  # bad word token sequences a request may give
+MAX_BAD_WORD_TOKENS = 64  # and the tokens of each
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,12 @@ class SamplingParams:
     sequence, prompt included. min_p (sampling only; 0 = off) drops the tokens
     less likely than min_p times the likeliest, after temperature.
 
+    allowed_ids (vLLM's allowed_token_ids): only these tokens may come, the
+    rest at -inf. bad_words (vLLM's, as token sequences): where the completion
+    (from penalty_start on) ends with all but the last token of one, its last
+    token is at -inf. A draft that scores none of the tokens a mask allows
+    (a reduced head) ends its block there (masks_tokens).
+
     grammar (structured output; tandem/structured.py): an llguidance grammar
     that the tokens from absolute position grammar_start on must follow, with
     grammar_end_ids ending it once it is complete (tandem/grammar.py masks the
@@ -59,6 +68,8 @@ class SamplingParams:
     grammar: str = ""
     grammar_start: int = 0
     grammar_end_ids: tuple[int, ...] = ()
+    allowed_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
     masks: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -80,13 +91,28 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # NaN fails too
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if len(self.allowed_ids) > MAX_ALLOWED_IDS or any(token < 0 for token in self.allowed_ids):
+            raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_IDS} token ids (>= 0), got "
+                             f"{len(self.allowed_ids)}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} token sequences, got {len(self.bad_words)}")
+        for word in self.bad_words:
+            if not 0 < len(word) <= MAX_BAD_WORD_TOKENS or any(token < 0 for token in word):
+                raise ValueError(f"bad_words: each is 1 to {MAX_BAD_WORD_TOKENS} token ids (>= 0), got {list(word)[:8]}")
 
     @property
     def adjusts(self) -> bool:
         """Whether the logits are changed before they are used (a bias, a
         suppression, a penalty, a grammar)."""
         return (bool(self.logit_bias) or bool(self.suppress_ids and self.suppress_before)
-                or self.penalizes or self.repetition_penalty != 1.0 or bool(self.grammar))
+                or self.penalizes or self.repetition_penalty != 1.0 or bool(self.grammar)
+                or bool(self.allowed_ids) or bool(self.bad_words))
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether a mask may leave none of the tokens a narrower draft scores
+        (a grammar, allowed_ids): the draft then ends its block."""
+        return bool(self.grammar or self.allowed_ids)
 
     @property
     def penalizes(self) -> bool:

@@ -688,3 +688,24 @@ def test_allowed_origins_answer_a_browsers_preflight_and_no_others(http):
             assert "X-Request-Id" in reply.headers["Access-Control-Expose-Headers"]
     finally:
         stop_open()
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_models_as_on_grpc(http):
+    cluster, base, tokenizer = http
+    prompt = "def fib(n):\n    "
+    allowed = tokenizer.encode("abc ", add_special_tokens=False)
+    with cluster.client() as grpc_client:
+        masked = grpc_client.generate(prompt, max_tokens=12, allowed_token_ids=allowed)
+        banned = grpc_client.generate(prompt, max_tokens=12, bad_words=["I", "%"])
+    assert set(masked.token_ids) <= set(allowed)
+    api = client(base)
+    answer = api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert answer.choices[0].token_ids == masked.token_ids
+    answer = api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"bad_words": ["I", "%"], "return_token_ids": True})
+    assert answer.choices[0].token_ids == banned.token_ids and not {"I", "%"} & set(answer.choices[0].text)
+    for body, param in (({"allowed_token_ids": ["a"]}, "allowed_token_ids"), ({"bad_words": [3]}, "bad_words")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=2, extra_body=body)
+        assert refused.value.body["param"] == param

@@ -263,3 +263,139 @@ def test_sampled_tokens_follow_the_adjusted_target_distribution(random_cluster, 
     assert chisquare(observed, np.append(expected[big], expected[~big].sum())).pvalue > 1e-3
     # Without the penalties on the target's side, token 5 would come second this often instead:
     assert abs(counts[5] / n - exact[5]) < 0.05 and exact[5] < 0.5 < first[5]
+
+
+# --- allowed_token_ids and bad_words ------------------------------------------------------
+
+class AllowOnly(LogitsProcessor):
+    def __init__(self, allowed: list[int]):
+        self.allowed = allowed
+
+    def __call__(self, input_ids, scores):
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, self.allowed] = scores[:, self.allowed]
+        return masked
+
+
+class BadWords(LogitsProcessor):
+    """vLLM's bad_words as token sequences, over the generated tokens only."""
+
+    def __init__(self, prompt_len: int, words: list[list[int]]):
+        self.prompt_len, self.words = prompt_len, words
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids.tolist()):
+            generated = ids[self.prompt_len:]
+            for word in self.words:
+                before = word[:-1]
+                if len(generated) >= len(before) and generated[len(generated) - len(before):] == before:
+                    scores[row, word[-1]] = float("-inf")
+        return scores
+
+
+def test_allowed_ids_and_bad_words_mask_by_position():
+    logits = torch.arange(12, dtype=torch.float32).repeat(4, 1)  # rows at positions 20..23
+    tokens = [0] * 20 + [6, 7, 5]  # the prompt's zeros, then the completion from position 20 on: 6 7 5
+    out = adjust_logits(logits, SamplingParams(allowed_ids=(2, 7, 30)), 20, tokens)  # 30: past the vocabulary
+    assert torch.isinf(out[:, [0, 1, 3, 4, 5, 6, 8, 9, 10, 11]]).all() and out[:, [2, 7]].eq(logits[:, [2, 7]]).all()
+    banned = adjust_logits(logits, SamplingParams(bad_words=((6, 7, 9), (3,), (0, 4)), penalty_start=20), 20, tokens)
+    # row 2 (position 22) follows 6 7: its 9 is banned, and no other row's
+    assert torch.isinf(banned[2, 9]) and not torch.isinf(banned[[0, 1, 3], 9]).any()
+    assert torch.isinf(banned[:, 3]).all()  # a one-token word: everywhere in the completion
+    assert not torch.isinf(banned[:, 4]).any()  # "0 4": the 0 before position 20 is the prompt's
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_ids=tuple(range(5000)))
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=((),))
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_greedy_within_allowed_ids_equals_the_target_alone_within_them(cluster, tiny_models, pipeline):
+    target = tiny_models["target"]
+    with cluster.client() as client:
+        for prompt in PROMPTS:
+            plain = reference_greedy(target, prompt, 24)
+            allowed = sorted({*plain[2:8], 11, 77, 100})  # not the first two it would say
+            expected = reference_processed(target, prompt, 24, AllowOnly(allowed))
+            assert expected != plain and set(expected) <= set(allowed)
+            result = client.generate(prompt_ids=prompt, max_tokens=24, allowed_token_ids=allowed, pipeline=pipeline,
+                                     num_draft_tokens=3)
+            assert result.token_ids == expected
+        sampled = client.generate(prompt_ids=PROMPTS[0], max_tokens=32, temperature=1.0, seed=3,
+                                  allowed_token_ids=[4, 9, 120], pipeline=pipeline)
+        assert set(sampled.token_ids) <= {4, 9, 120} and len(sampled.token_ids) == 32
+        with pytest.raises(grpc.RpcError) as caught:
+            client.generate(prompt_ids=PROMPTS[0], max_tokens=4, allowed_token_ids=[1, 500])
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allowed_token_ids" in caught.value.details()
+
+
+def test_a_draft_that_is_the_target_masks_alike_and_is_always_accepted_within_allowed_ids(same_cluster, tiny_models):
+    target = tiny_models["target"]
+    allowed = sorted(set(reference_greedy(target, PROMPTS[1], 16)[3:]) | {8})
+    expected = reference_processed(target, PROMPTS[1], 32, AllowOnly(allowed))
+    with same_cluster.client() as client:
+        result = client.generate(prompt_ids=PROMPTS[1], max_tokens=32, allowed_token_ids=allowed, num_draft_tokens=4)
+    assert result.token_ids == expected
+    assert result.stats.drafted_tokens > 16 and result.stats.accepted_tokens == result.stats.drafted_tokens
+
+
+def test_a_reduced_head_that_scores_none_of_the_allowed_ids_drafts_nothing_and_loses_nothing(tiny_models):
+    """A draft of 24 scored tokens: allowed ids outside them end each block at
+    once; the target alone decodes, and its tokens are the reference's."""
+    from draft_service.server import DraftOptions
+
+    cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=DraftOptions(vocab_subset=24))
+    try:
+        with cluster.client() as client:
+            for allowed in ([100, 101, 110, 120, 127], [1, 2, 100, 101, 110]):
+                expected = reference_processed(tiny_models["target"], PROMPTS[0], 20, AllowOnly(allowed))
+                for temperature in (0.0, 1.0):
+                    result = client.generate(prompt_ids=PROMPTS[0], max_tokens=20, allowed_token_ids=allowed,
+                                             temperature=temperature, seed=5, num_draft_tokens=3)
+                    assert set(result.token_ids) <= set(allowed) and len(result.token_ids) == 20
+                    if min(allowed) >= 24:  # the head scores ids below 24 here: none allowed, none drafted
+                        assert result.stats.drafted_tokens == 0
+                    if temperature == 0.0:
+                        assert result.token_ids == expected
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_greedy_with_bad_words_equals_the_target_alone_without_them(char_models, pipeline):
+    """Text models: each word is tokenized (a character a token here), and
+    the completion never holds it whole; greedy equals the reference that
+    masks the same sequences over the completion."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(char_models["target"])
+    prompt = "def fib(n):\n    "
+    prompt_ids = tokenizer.encode(prompt)
+    plain = reference_greedy(char_models["target"], prompt_ids, 40)
+    text = tokenizer.decode(plain)
+
+    def word_at(start: int, length: int) -> str:
+        """The first printable piece of the completion at or after `start`
+        that encodes to its own tokens (the random model writes control
+        characters too)."""
+        for i in range(start, len(plain) - length):
+            word = text[i:i + length]
+            if word.isprintable() and not word.isspace() and \
+                    tokenizer.encode(word, add_special_tokens=False) == plain[i:i + length]:
+                return word
+        raise AssertionError(f"no printable piece of {length} in {text!r}")
+
+    words = [word_at(2, 3), word_at(20, 2)]
+    sequences = [tokenizer.encode(w, add_special_tokens=False) for w in words]
+    expected = reference_processed(char_models["target"], prompt_ids, 40, BadWords(len(prompt_ids), sequences))
+    assert expected != plain
+    cluster = Cluster(char_models["target"], char_models["draft"], pipeline=pipeline)
+    try:
+        with cluster.client() as client:
+            result = client.generate(prompt, max_tokens=40, bad_words=words, pipeline=pipeline)
+            assert result.token_ids == expected and not any(w in result.text for w in words)
+            with pytest.raises(grpc.RpcError) as caught:
+                client.generate(prompt, max_tokens=4, bad_words=[" "])
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in caught.value.details()
+    finally:
+        cluster.stop()
