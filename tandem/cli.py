@@ -274,6 +274,10 @@ def main(argv=None) -> int:
             return _generate(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "batch":
+            from tandem.batch import main as run_batch
+
+            return run_batch(args)
         if args.command == "models":
             from tandem.default_models import main as fetch
 

@@ -395,6 +395,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default="", help="system prompt (default: none)")
     _add_sampling_flags(chat)
 
+    batch = sub.add_parser("batch", help="run a file of OpenAI batch requests against a server's HTTP API",
+                           description="Runs a JSONL file of OpenAI batch requests ({custom_id, method, url, body} "
+                                       "a line; url /v1/chat/completions, /v1/completions or /v1/responses) "
+                                       "against a running Tandem server's HTTP API, and writes OpenAI's batch "
+                                       "output lines ({id, custom_id, response: {status_code, request_id, body}, "
+                                       "error}) in the input's order. Exits 1 if any request did not get a 200.")
+    batch.add_argument("input", help="the requests, a JSONL file (- for stdin)")
+    batch.add_argument("-o", "--output", default=None, help="where the results go (default: stdout)")
+    batch.add_argument("--url", default=os.environ.get("TANDEM_HTTP_URL", "http://127.0.0.1:8000"),
+                       help="the server's HTTP API (default: $TANDEM_HTTP_URL or %(default)s)")
+    batch.add_argument("--concurrency", type=_int_in(1, 1024), default=8,
+                       help="requests in flight at once (default: %(default)s)")
+    batch.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY") or None,
+                       help="sent as 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
+    batch.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default: %(default)s)")
+    batch.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+
     models = sub.add_parser("models", help="fetch and convert the default model pair")
     models.add_argument("--which", choices=["target", "draft", "both"], default="both",
                         help="which of the default pair to fetch and convert (default: %(default)s)")
