@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -68,8 +69,13 @@ class Gateway:
             web.get("/v1/responses/{response_id}", self.retrieve_response),
             web.delete("/v1/responses/{response_id}", self.delete_response),
             web.get("/v1/responses/{response_id}/input_items", self.response_input_items),
+            web.post("/v1/responses/{response_id}/cancel", self.cancel_response),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model}", self.model),
             web.get("/health", self.health),
+            web.get("/ping", self.health),  # SageMaker's and vLLM's name for the probe
+            web.post("/ping", self.health),
+            web.get("/version", self.version),
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
             web.get("/tokenizer_info", self.tokenizer_info),
@@ -228,10 +234,32 @@ class Gateway:
         return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                                   "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def _model_card(self) -> dict:
         name = await self.model_name()
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}]})
+        info = await self.target_info()
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tandem", "root": info.target_model,
+                "max_model_len": info.max_context}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [await self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: the served model's card, else a 404."""
+        card = await self._model_card()
+        if request.match_info["model"] != card["id"]:
+            raise ApiError(404, f"the model {request.match_info['model']!r} does not exist: this server serves "
+                                f"{card['id']!r}", "not_found_error", "model", "model_not_found")
+        return web.json_response(card)
+
+    @staticmethod
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": _version()})
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/{id}/cancel: for background responses, which Tandem does not run."""
+        await self._stored(request, request.match_info["response_id"])  # a 404 where there is none
+        raise ApiError(400, "only a background response can be cancelled, and Tandem runs none: a response is "
+                            "done when its request is answered", param="response_id")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (rendered
@@ -411,6 +439,13 @@ class Gateway:
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
 
 
 SHARED_TEXT = 64  # characters: a text prompt this long is worth sharing (about MIN_FORK tokens)

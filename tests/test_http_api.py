@@ -2,6 +2,7 @@
 a real HTTP socket, the gateway, the orchestrator's gRPC API, the two model
 services and Redis. Greedy output equals Hugging Face's generate on the target
 alone; errors come back as OpenAI's error bodies with the right HTTP status."""
+import importlib.metadata
 import json
 import time
 import urllib.error
@@ -709,3 +710,20 @@ def test_allowed_token_ids_and_bad_words_reach_the_models_as_on_grpc(http):
         with pytest.raises(openai.BadRequestError) as refused:
             api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=2, extra_body=body)
         assert refused.value.body["param"] == param
+
+
+def test_a_models_card_the_version_and_the_ping_probe(http):
+    cluster, base, _ = http
+    api = client(base)
+    card = api.models.retrieve("tandem-tiny")
+    with cluster.client() as grpc_client:
+        info = grpc_client.server_info()
+    assert card.id == "tandem-tiny" and card.model_dump()["max_model_len"] == info.max_context
+    assert api.models.list().data[0].model_dump() == card.model_dump()
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4o")
+    with urllib.request.urlopen(f"{base}/version", timeout=30) as reply:
+        assert json.load(reply)["version"] == importlib.metadata.version("tandem")
+    for method in ("GET", "POST"):
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/ping", method=method), timeout=30) as reply:
+            assert reply.status == 200 and json.load(reply)["status"] == "ok"

@@ -389,3 +389,13 @@ def test_kept_input_items_have_ids_types_and_parts():
     assert input_items({"input": "Hey"})[0]["content"] == [{"type": "input_text", "text": "Hey"}]
     out = [{"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Yo"}]}]
     assert previous_items(record({"output": out}, items)) == [*items, *out]
+
+
+def test_cancelling_a_response_is_for_background_ones_which_tandem_runs_none_of(http, cluster):  # noqa: F811
+    api = client(http)
+    kept = api.responses.create(model="tandem-tiny", input=ASK[0]["content"], max_output_tokens=2, temperature=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.responses.cancel(kept.id)
+    assert "background" in refused.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        api.responses.cancel("resp_nothing_here")
