@@ -28,8 +28,8 @@ from aiohttp import web
 from orchestrator.openai_api import Call, chat_call, completion_call, detokenize_request, tokenize_request
 from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import Answer, Chunks, response
-from orchestrator.openai_responses import (Responses, input_items, previous_id, previous_items, record,
-                                           responses_call)
+from orchestrator.openai_responses import Responses
+from orchestrator.responses_routes import ResponsesRoutes
 from orchestrator.prefix_cache import MIN_FORK
 from tandem import serving
 from tandem.serving import MAX_MESSAGE_BYTES
@@ -65,11 +65,7 @@ class Gateway:
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
-            web.post("/v1/responses", self.responses),
-            web.get("/v1/responses/{response_id}", self.retrieve_response),
-            web.delete("/v1/responses/{response_id}", self.delete_response),
-            web.get("/v1/responses/{response_id}/input_items", self.response_input_items),
-            web.post("/v1/responses/{response_id}/cancel", self.cancel_response),
+            *ResponsesRoutes(self).routes(),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model}", self.model),
             web.get("/health", self.health),
@@ -135,7 +131,7 @@ class Gateway:
         return self._model
 
     @staticmethod
-    def _metadata(request: web.Request) -> tuple:
+    def metadata(request: web.Request) -> tuple:
         pairs = [(TENANT_HEADER, request.headers.get(TENANT_HEADER, "")),
                  ("authorization", request.headers.get("Authorization", ""))]
         pairs += [(name, request.headers.get(name, "")) for name in TRACE_HEADERS]
@@ -143,7 +139,7 @@ class Gateway:
         return tuple((k, v) for k, v in pairs if v)
 
     @staticmethod
-    async def _body(request: web.Request):
+    async def body(request: web.Request):
         try:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -151,88 +147,10 @@ class Gateway:
 
     # --- routes --------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, completion_call(await self._body(request)))
+        return await self.answer(request, completion_call(await self.body(request)))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._answer(request, chat_call(await self._body(request), self.tool_call_parser))
-
-    async def responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API, as a chat completion (orchestrator/openai_responses.py)."""
-        body = await self._body(request)
-        previous = []
-        if (continued := previous_id(body)) is not None:
-            try:
-                stored = await self._stored(request, continued)
-            except ApiError as err:
-                if err.status != 404:
-                    raise
-                raise ApiError(404, f"the previous response {continued!r} was not found: it was not stored "
-                                    "(\"store\": false), was deleted, expired (the orchestrator's --response-ttl) or "
-                                    "is another tenant's", "invalid_request_error", "previous_response_id",
-                               "previous_response_not_found") from err
-            previous = previous_items(stored)
-        call = responses_call(body, self.tool_call_parser, previous)
-        shape = Responses(body, await self.model_name(), [*previous, *input_items(body)])
-        return await self._answer(request, call, shape)
-
-    async def _stored(self, request: web.Request, response_id: str) -> str:
-        """A stored response's record (openai_responses.record), or a 404."""
-        try:
-            reply = await self.stub.GetStoredResponse(tandem_pb2.StoredResponseRef(response_id=response_id),
-                                                      metadata=self._metadata(request), timeout=INFO_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            raise ApiError.from_rpc(err) from err
-        return reply.body_json
-
-    async def _keep(self, request: web.Request, shape: Responses, final: dict) -> None:
-        """Stores a finished Response, unless its request said "store": false."""
-        if shape.store:
-            await self.stub.PutStoredResponse(tandem_pb2.StoredResponse(
-                response_id=final["id"], body_json=record(final, shape.items)),
-                metadata=self._metadata(request), timeout=INFO_TIMEOUT_S)
-
-    async def retrieve_response(self, request: web.Request) -> web.Response:
-        """GET /v1/responses/{id}: a stored Response, as it was answered."""
-        if request.query.get("stream", "false").lower() not in ("false", "0"):
-            raise ApiError(400, "streaming a stored response is not supported: Tandem keeps finished responses "
-                                "only", param="stream")
-        stored = json.loads(await self._stored(request, request.match_info["response_id"]))
-        return web.json_response(stored["response"])
-
-    async def delete_response(self, request: web.Request) -> web.Response:
-        response_id = request.match_info["response_id"]
-        reply = await self.stub.DeleteStoredResponse(tandem_pb2.StoredResponseRef(response_id=response_id),
-                                                     metadata=self._metadata(request), timeout=INFO_TIMEOUT_S)
-        if not reply.deleted:
-            raise ApiError(404, f"no stored response {response_id!r}", "not_found_error", code="not_found")
-        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
-
-    async def response_input_items(self, request: web.Request) -> web.Response:
-        """GET /v1/responses/{id}/input_items: the conversation a stored
-        Response answered (a continued one's earlier turns included), a page
-        of `limit` (1-100, 20) items in `order` ("desc", the default, or
-        "asc"), after the item `after`."""
-        query = request.query
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise ApiError(400, f"'limit' must be an integer in [1, 100], not {query.get('limit')!r}", param="limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, f"'order' must be 'asc' or 'desc', not {order!r}", param="order")
-        items = json.loads(await self._stored(request, request.match_info["response_id"]))["input"]
-        if order == "desc":
-            items = items[::-1]
-        if "after" in query:
-            ids = [item.get("id") for item in items]
-            if query["after"] not in ids:
-                raise ApiError(400, f"'after' names no item of this response: {query['after']!r}", param="after")
-            items = items[ids.index(query["after"]) + 1:]
-        page = items[:limit]
-        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+        return await self.answer(request, chat_call(await self.body(request), self.tool_call_parser))
 
     async def _model_card(self) -> dict:
         name = await self.model_name()
@@ -255,27 +173,21 @@ class Gateway:
     async def version(request: web.Request) -> web.Response:
         return web.json_response({"version": _version()})
 
-    async def cancel_response(self, request: web.Request) -> web.Response:
-        """POST /v1/responses/{id}/cancel: for background responses, which Tandem does not run."""
-        await self._stored(request, request.match_info["response_id"])  # a 404 where there is none
-        raise ApiError(400, "only a background response can be cancelled, and Tandem runs none: a response is "
-                            "done when its request is answered", param="response_id")
-
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (rendered
         with the chat template and the assistant's prompt), and
         "add_special_tokens" (default true) -> {"count", "max_model_len", "tokens"}."""
-        body = await self._body(request)
+        body = await self.body(request)
         tokenize = tokenize_request(body)
-        reply = await self.stub.Tokenize(tokenize, metadata=self._metadata(request))
+        reply = await self.stub.Tokenize(tokenize, metadata=self.metadata(request))
         info = await self.target_info()
         return web.json_response({"count": len(reply.token_ids), "max_model_len": info.max_context,
                                   "tokens": list(reply.token_ids), "token_strs": None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: {"tokens": [...]} -> {"prompt": text}."""
-        body = await self._body(request)
-        reply = await self.stub.Tokenize(detokenize_request(body), metadata=self._metadata(request))
+        body = await self.body(request)
+        reply = await self.stub.Tokenize(detokenize_request(body), metadata=self.metadata(request))
         return web.json_response({"prompt": reply.text})
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
@@ -298,7 +210,7 @@ class Gateway:
         return web.json_response({"status": "ok", "target_model": info.target_model,
                                   "draft_model": info.draft_model})
 
-    async def _answer(self, request: web.Request, call: Call, shape: Responses | None = None) -> web.StreamResponse:
+    async def answer(self, request: web.Request, call: Call, shape: Responses | None = None) -> web.StreamResponse:
         """One Generate call for each of the request's choices, at once; where
         they begin alike and the orchestrator reuses prefixes, the first goes
         ahead until its first event (shares_prefix). `shape`: the answer is a
@@ -307,7 +219,7 @@ class Gateway:
         if call.model is not None and call.model != model:
             raise ApiError(404, f"the model {call.model!r} does not exist: this server serves {model!r}",
                            "not_found_error", "model", "model_not_found")
-        metadata = self._metadata(request)
+        metadata = self.metadata(request)
         requests = call.requests()
         ahead = shares_prefix(call) and (await self.target_info()).prefix_cache_sessions > 0
         rpcs, streams = [], []
@@ -327,7 +239,7 @@ class Gateway:
                 whole = response(call, model, answers, request.get("request_id"))
                 if shape is not None:
                     whole = shape.whole(whole)
-                    await self._keep(request, shape, whole)
+                    await shape.keep(whole)
                 answer = web.json_response(whole)
             finished = True
             return answer
@@ -428,7 +340,7 @@ class Gateway:
         if events is not None:
             closing, final = events.closing()
             try:
-                await self._keep(request, shape, final)
+                await shape.keep(final)
                 closing.append(events.done(final))
             except grpc.aio.AioRpcError as err:  # told, instead of a Response said stored that is not
                 closing += events.error(ApiError.from_rpc(err).body())
@@ -511,7 +423,7 @@ async def start(gateway: Gateway, host: str, port: int, ssl_context=None) -> tup
     """Serves `gateway` on host:port (0 picks one), over TLS with `ssl_context`;
     returns the runner (its cleanup() stops it) and the port."""
     # handler_cancellation: a client that disconnects cancels its handler, and
-    # with it the generation (Gateway._answer), instead of decoding for nobody.
+    # with it the generation (Gateway.answer), instead of decoding for nobody.
     runner = web.AppRunner(gateway.app, access_log=None, shutdown_timeout=10.0, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)

@@ -4,18 +4,12 @@ and its answer, whole or streamed, becomes a Response object or the Response
 stream's events. So everything a chat completion does (greedy equal to the
 target alone, sampling, structured output, tools, prefix reuse) holds here too.
 
-Stored responses: unless a request says `"store": false`, the gateway keeps
-its Response, with the conversation it answered (the input items, each with an
-id), in the orchestrator's Redis under the caller's tenant (`record`; the
-Tandem API's PutStoredResponse). A later request that names it as
-`previous_response_id` continues that conversation: its messages are the
-stored input items and output items, then its own `input` (`previous_items`).
-Its caches are reused by prefix (the orchestrator's --prefix-cache), as for
-any conversation resent whole. `conversation` and `background` are refused."""
+A request may continue a stored response (`previous`: its conversation's
+items, orchestrator/responses_routes.py): the messages are those items, then
+its own `input`. `conversation` and `background` are refused."""
 from __future__ import annotations
 
 import copy
-import json
 import time
 import uuid
 
@@ -34,7 +28,6 @@ LOGPROBS = "message.output_text.logprobs"  # `include`: each output token's log 
 # Echoed in the Response as the request gave them.
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "top_p",
           "tool_choice", "tools", "text", "user", "top_logprobs", "previous_response_id")
-ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
 def responses_call(body, tool_parser: str | None = None, previous: list[dict] = ()) -> Call:
@@ -90,35 +83,6 @@ def previous_id(body: dict) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise invalid("previous_response_id", "'previous_response_id' must be a response's id (a string)")
     return value
-
-
-def record(response: dict, items: list[dict]) -> str:
-    """What is stored of a Response: itself, and the input items it answered
-    (a continued conversation's included)."""
-    return json.dumps({"response": response, "input": items}, ensure_ascii=False)
-
-
-def previous_items(stored: str) -> list[dict]:
-    """The conversation a stored response continues into: its input items, then its output."""
-    kept = json.loads(stored)
-    return [*kept["input"], *kept["response"]["output"]]
-
-
-def input_items(body: dict) -> list[dict]:
-    """The request's `input` (checked by responses_call) as items to keep: each
-    with its type and an id, a message's content as parts."""
-    given = body["input"]
-    if isinstance(given, str):
-        given = [{"role": "user", "content": given}]
-    items = []
-    for item in given:
-        kind = item.get("type", "message")
-        item = {"id": f"{ITEM_PREFIX[kind]}_{uuid.uuid4().hex}", **item, "type": kind}
-        if kind == "message" and isinstance(item["content"], str):
-            part = "output_text" if item["role"] == "assistant" else "input_text"
-            item["content"] = [{"type": part, "text": item["content"]}]
-        items.append(item)
-    return items
 
 
 def _messages(body: dict, previous: list[dict] = ()) -> list[dict]:
@@ -259,10 +223,10 @@ class Responses:
     """One request's Response: whole (from a chat completion's answer) or
     streamed (`events`)."""
 
-    def __init__(self, body: dict, model: str, items: list[dict] = ()):
+    def __init__(self, body: dict, model: str, keeper=None):
         self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
         self.store = stores(body)
-        self.items = list(items)  # the conversation it answers, kept with it (record)
+        self.keeper = keeper  # async (final Response) -> None: stores it (responses_routes), where it is kept
         self.echoed = {name: body.get(name) for name in ECHOED}
         self.echoed["tools"] = self.echoed["tools"] or []
         self.echoed["tool_choice"] = self.echoed["tool_choice"] or "auto"
@@ -290,6 +254,11 @@ class Responses:
 
     def events(self) -> ResponseEvents:
         return ResponseEvents(self)
+
+    async def keep(self, final: dict) -> None:
+        """Stores the finished Response, unless its request said "store": false."""
+        if self.store and self.keeper is not None:
+            await self.keeper(final)
 
 
 class ResponseEvents:

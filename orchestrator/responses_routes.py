@@ -1,0 +1,158 @@
+"""The HTTP gateway's routes of OpenAI's Responses API: POST /v1/responses
+(a chat completion underneath: orchestrator/openai_responses.py, then
+Gateway.answer), and the stored responses.
+
+Unless a request says `"store": false`, its finished Response is kept with
+the conversation it answered (its input items, each with an id) in the
+orchestrator's Redis under the caller's tenant (`record`; the Tandem API's
+PutStoredResponse, for the orchestrator's --response-ttl). A later request
+that names it as `previous_response_id` continues that conversation: the
+stored input items and output items, then its own `input`
+(`previous_items`). Its caches are reused by prefix (the orchestrator's
+--prefix-cache), as for any conversation resent whole. GET and DELETE
+/v1/responses/{id} read and delete one, and GET .../input_items pages through
+its conversation."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import grpc
+from aiohttp import web
+
+from orchestrator.openai_params import ApiError
+from orchestrator.openai_responses import Responses, previous_id, responses_call
+from tandem.v1 import tandem_pb2
+
+STORE_TIMEOUT_S = 10.0
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def record(response: dict, items: list[dict]) -> str:
+    """What is stored of a Response: itself, and the input items it answered
+    (a continued conversation's included)."""
+    return json.dumps({"response": response, "input": items}, ensure_ascii=False)
+
+
+def previous_items(stored: str) -> list[dict]:
+    """The conversation a stored response continues into: its input items, then its output."""
+    kept = json.loads(stored)
+    return [*kept["input"], *kept["response"]["output"]]
+
+
+def input_items(body: dict) -> list[dict]:
+    """The request's `input` (checked by responses_call) as items to keep: each
+    with its type and an id, a message's content as parts."""
+    given = body["input"]
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        item = {"id": f"{ITEM_PREFIX[kind]}_{uuid.uuid4().hex}", **item, "type": kind}
+        if kind == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        items.append(item)
+    return items
+
+
+class ResponsesRoutes:
+    """The routes, on a Gateway (its stub to the orchestrator, its answers)."""
+
+    def __init__(self, gateway):
+        self.gateway = gateway
+
+    def routes(self) -> list:
+        return [
+            web.post("/v1/responses", self.create),
+            web.get("/v1/responses/{response_id}", self.retrieve),
+            web.delete("/v1/responses/{response_id}", self.delete),
+            web.get("/v1/responses/{response_id}/input_items", self.input_items),
+            web.post("/v1/responses/{response_id}/cancel", self.cancel),
+        ]
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        gateway = self.gateway
+        body = await gateway.body(request)
+        previous = []
+        if (continued := previous_id(body)) is not None:
+            try:
+                stored = await self._stored(request, continued)
+            except ApiError as err:
+                if err.status != 404:
+                    raise
+                raise ApiError(404, f"the previous response {continued!r} was not found: it was not stored "
+                                    "(\"store\": false), was deleted, expired (the orchestrator's --response-ttl) or "
+                                    "is another tenant's", "invalid_request_error", "previous_response_id",
+                               "previous_response_not_found") from err
+            previous = previous_items(stored)
+        call = responses_call(body, gateway.tool_call_parser, previous)
+        items = [*previous, *input_items(body)]
+
+        async def keep(final: dict) -> None:
+            await gateway.stub.PutStoredResponse(
+                tandem_pb2.StoredResponse(response_id=final["id"], body_json=record(final, items)),
+                metadata=gateway.metadata(request), timeout=STORE_TIMEOUT_S)
+
+        return await gateway.answer(request, call, Responses(body, await gateway.model_name(), keep))
+
+    async def _stored(self, request: web.Request, response_id: str) -> str:
+        """A stored response's record (`record`), or a 404."""
+        try:
+            reply = await self.gateway.stub.GetStoredResponse(
+                tandem_pb2.StoredResponseRef(response_id=response_id), metadata=self.gateway.metadata(request),
+                timeout=STORE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            raise ApiError.from_rpc(err) from err
+        return reply.body_json
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: a stored Response, as it was answered."""
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            raise ApiError(400, "streaming a stored response is not supported: Tandem keeps finished responses "
+                                "only", param="stream")
+        stored = json.loads(await self._stored(request, request.match_info["response_id"]))
+        return web.json_response(stored["response"])
+
+    async def delete(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        reply = await self.gateway.stub.DeleteStoredResponse(
+            tandem_pb2.StoredResponseRef(response_id=response_id), metadata=self.gateway.metadata(request),
+            timeout=STORE_TIMEOUT_S)
+        if not reply.deleted:
+            raise ApiError(404, f"no stored response {response_id!r}", "not_found_error", code="not_found")
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}/input_items: the conversation a stored
+        Response answered (a continued one's earlier turns included), a page
+        of `limit` (1-100, 20) items in `order` ("desc", the default, or
+        "asc"), after the item `after`."""
+        query = request.query
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise ApiError(400, f"'limit' must be an integer in [1, 100], not {query.get('limit')!r}", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"'order' must be 'asc' or 'desc', not {order!r}", param="order")
+        items = json.loads(await self._stored(request, request.match_info["response_id"]))["input"]
+        if order == "desc":
+            items = items[::-1]
+        if "after" in query:
+            ids = [item.get("id") for item in items]
+            if query["after"] not in ids:
+                raise ApiError(400, f"'after' names no item of this response: {query['after']!r}", param="after")
+            items = items[ids.index(query["after"]) + 1:]
+        page = items[:limit]
+        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/{id}/cancel: for background responses, which Tandem does not run."""
+        await self._stored(request, request.match_info["response_id"])  # a 404 where there is none
+        raise ApiError(400, "only a background response can be cancelled, and Tandem runs none: a response is "
+                            "done when its request is answered", param="response_id")
