@@ -72,6 +72,14 @@ def _serve(args) -> None:
             from orchestrator.config import OrchestratorConfig, PrefixCacheConfig, QuotaConfig
             from orchestrator.policy import KPolicyConfig
 
+            if args.discover:  # the model services of a Ray deployment (tandem.ray_cluster)
+                from tandem.ray_cluster import discover
+
+                found = discover(args.redis_url, args.discover, args.wait)
+                args.draft, args.target = found["draft"], found["target"]
+                logging.getLogger("tandem").info("discovered %s: target %s, draft %s", args.discover, args.target,
+                                                 args.draft)
+
             config = OrchestratorConfig(
                 draft_address=args.draft, target_address=args.target, redis_url=args.redis_url,
                 tokenizer=args.tokenizer,
@@ -88,6 +96,7 @@ def _serve(args) -> None:
                                    tokens_per_minute=args.tenant_tokens_per_minute),
             )
             from tandem.tls import ServerTls
+
 
             if bool(args.tls_cert) != bool(args.tls_key):
                 raise ValueError("--tls-cert and --tls-key go together: the certificate and its private key")
@@ -274,6 +283,15 @@ def main(argv=None) -> int:
             return _generate(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "ray":
+            from tandem import ray_cluster
+
+            try:
+                return {"up": ray_cluster.up, "status": ray_cluster.status,
+                        "down": ray_cluster.down}[args.ray_command](args)
+            except ray_cluster.NoCluster as err:
+                print(f"tandem ray {args.ray_command}: {err}", file=sys.stderr)
+                return 2
         if args.command == "batch":
             from tandem.batch import main as run_batch
 

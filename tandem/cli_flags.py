@@ -108,8 +108,10 @@ def _add_sampling_flags(p) -> None:
                    help="dial over TLS, checking the orchestrator's certificate against this CA (PEM; default: "
                         "$TANDEM_TLS_CA)")
     p.add_argument("--tls-cert", default="", metavar="FILE",
-                   help="this client's certificate (PEM), for a server run with --tls-client-ca; with --tls-key")
-    p.add_argument("--tls-key", default="", metavar="FILE", help="the private key of --tls-cert (PEM)")
+                   help="this client's certificate (PEM), for a server run with --tls-client-ca; with --tls-key "
+                        "(default: none)")
+    p.add_argument("--tls-key", default="", metavar="FILE",
+                   help="the private key of --tls-cert (PEM; default: none)")
     p.add_argument("--max-tokens", type=_int_in(1, INT32_MAX), default=None,
                    help="most tokens to generate (server default 128)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
@@ -280,10 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "chain (PEM; with --tls-key). The hops to the model services stay plaintext: a "
                            "service mesh's mutual TLS covers those (env TANDEM_TLS_CERT; default: no TLS)")
     orch.add_argument("--tls-key", default=os.environ.get("TANDEM_TLS_KEY", ""), metavar="FILE",
-                      help="the private key of --tls-cert (PEM; env TANDEM_TLS_KEY)")
+                      help="the private key of --tls-cert (PEM; default: $TANDEM_TLS_KEY, else none)")
     orch.add_argument("--tls-client-ca", default=os.environ.get("TANDEM_TLS_CLIENT_CA", ""), metavar="FILE",
                       help="with --tls-cert: require client certificates signed by this CA, on both APIs "
-                           "(mutual TLS; env TANDEM_TLS_CLIENT_CA)")
+                           "(mutual TLS; default: $TANDEM_TLS_CLIENT_CA, else none)")
     orch.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                       help="web origins (https://chat.example.com, or * for any) whose pages may call the HTTP "
                            "API from a browser: CORS headers and preflights on every route (default: none)")
@@ -295,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "Qwen2.5's and Hermes' <tool_call> blocks; llama3_json: Llama 3.1/3.2's JSON calls; "
                            "mistral: Mistral's [TOOL_CALLS] list; pythonic: Llama 3.2/4's [f(x=1)] list) "
                            "(default: none, and 'auto' is refused)")
+    orch.add_argument("--discover", default="", metavar="NAME",
+                      help="take --draft and --target from the Ray deployment NAME's registry in Redis "
+                           "(tandem ray up), waiting up to --wait for them (default: off)")
     orch.add_argument("--draft", default=DEFAULT_DRAFT, help="draft service address (default: %(default)s)")
     orch.add_argument("--target", default=DEFAULT_TARGET, help="target service address (default: %(default)s)")
     orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
@@ -412,10 +417,51 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default: %(default)s)")
     batch.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
+    _add_ray_commands(sub)
+
     models = sub.add_parser("models", help="fetch and convert the default model pair")
     models.add_argument("--which", choices=["target", "draft", "both"], default="both",
                         help="which of the default pair to fetch and convert (default: %(default)s)")
     return parser
+
+
+def _add_ray_commands(sub) -> None:
+    from tandem.ray_cluster import PLACEMENTS
+
+    ray_parser = sub.add_parser("ray", help="run Tandem's three services on a Ray cluster",
+                                description="Places the target, the draft and the orchestrator on a Ray cluster "
+                                            "as detached actors, each supervising its service's process; their "
+                                            "addresses go to Redis (tandem:ray:NAME).")
+    commands = ray_parser.add_subparsers(dest="ray_command", required=True)
+    parsers = [commands.add_parser("up", help="start a deployment and print its addresses (JSON)"),
+               commands.add_parser("status", help="a deployment's services: alive, addresses, restarts (JSON); "
+                                                  "exit 3 if one is down"),
+               commands.add_parser("down", help="stop a deployment's services and free their resources")]
+    for p in parsers:
+        p.add_argument("--name", default="tandem", help="the deployment's name (default: %(default)s)")
+        p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                       help="the Ray cluster (default: $RAY_ADDRESS or %(default)s, the one this node is in)")
+        p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                       help="Redis, as every node reaches it: the sessions' store and the deployment's registry "
+                            "(default: $REDIS_URL or %(default)s)")
+    up = parsers[0]
+    up.add_argument("--target-model", default="default-target", help="the target's --model (default: %(default)s)")
+    up.add_argument("--draft-model", default="default-draft", help="the draft's --model (default: %(default)s)")
+    for role, example in (("target", "--threads 1"), ("draft", "--quantize auto --vocab-subset 32768"),
+                          ("orchestrator", "--http-port 8000 --api-keys FILE")):
+        up.add_argument(f"--{role}-args", default="", metavar="ARGS",
+                        help=f"more flags of 'tandem serve {role}', as one string (e.g. \"{example}\"; "
+                             "default: none)")
+    up.add_argument("--gpus-per-service", default="auto", metavar="N|auto",
+                    help="GPUs for the target and for the draft (fractions share one); auto: 1 with two or more "
+                         "GPUs in the cluster, 0.5 with one, else 0 (CPU) (default: %(default)s)")
+    up.add_argument("--cpus-per-service", type=float, default=1.0,
+                    help="CPUs Ray reserves for the target and for the draft (default: %(default)s)")
+    up.add_argument("--placement", choices=list(PLACEMENTS), default="spread",
+                    help="how the target's and the draft's bundles spread over nodes; strict-spread needs two "
+                         "nodes (default: %(default)s)")
+    up.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds to wait for room and for each service to be ready (default: %(default)s)")
 
 
 def switch(value: str | None) -> bool | None:

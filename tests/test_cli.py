@@ -15,8 +15,8 @@ def _commands() -> dict[str, argparse.ArgumentParser]:
     """Every command a user runs, by its words: "tandem", "tandem serve draft", ..."""
     commands = {"tandem": build_parser()}
     for name, sub in _subparsers(commands["tandem"]).items():
-        if name == "serve":
-            commands.update({f"tandem serve {role}": p for role, p in _subparsers(sub).items()})
+        if name in ("serve", "ray"):
+            commands.update({f"tandem {name} {role}": p for role, p in _subparsers(sub).items()})
         else:
             commands[f"tandem {name}"] = sub
     return commands
@@ -27,7 +27,8 @@ COMMANDS = _commands()
 
 def test_the_commands_are_all_here():
     assert {"tandem serve target", "tandem serve draft", "tandem serve orchestrator", "tandem generate",
-            "tandem chat", "tandem models"} <= set(COMMANDS)
+            "tandem chat", "tandem models", "tandem batch", "tandem ray up", "tandem ray status",
+            "tandem ray down"} <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -1,0 +1,124 @@
+"""Tandem on a Ray cluster (`tandem ray up | status | down`), on a real local
+Ray head with the character-level pair: the services Ray places serve as
+they do anywhere (greedy equals the target alone), register their addresses
+in Redis for an orchestrator started elsewhere (--discover), come back on
+their port when their process dies, and leave nothing behind when taken
+down."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from tandem.client import TandemClient
+from tandem.launch import free_port
+from tests.conftest import REDIS_URL, reference_greedy
+
+RAY = Path(sys.executable).parent / "ray"
+# A throw-away local cluster: no token (Ray's token auth would otherwise hang on
+# whatever ~/.ray/auth_token an earlier local ray.init left), on the loopback.
+RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+PROMPT = [5, 17, 33, 60, 12, 9]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    if not RAY.exists() and shutil.which("ray") is None:
+        pytest.fail("ray is a dependency of Tandem's dev setup; run make setup")
+    port = free_port()
+    started = subprocess.run([str(RAY), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                              "--num-cpus=2", "--include-dashboard=false",
+                              "--disable-usage-stats", "--object-store-memory=100000000"],
+                             capture_output=True, text=True, timeout=180, env=RAY_ENV)
+    assert started.returncode == 0, started.stderr
+    yield f"127.0.0.1:{port}"
+    subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120, env=RAY_ENV)
+
+
+def _tandem(*argv, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=RAY_ENV)
+
+
+def _status(ray_head, name) -> tuple[int, dict]:
+    done = _tandem("ray", "status", "--address", ray_head, "--name", name, "--redis-url", REDIS_URL, timeout=120)
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(char_models, ray_head):
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    common = ("--address", ray_head, "--name", name, "--redis-url", REDIS_URL)
+    up = _tandem("ray", "up", *common, "--target-model", char_models["target"], "--draft-model", char_models["draft"],
+                 "--target-args", "--threads 1", "--draft-args", "--threads 1", "--gpus-per-service", "0",
+                 "--timeout", "300")
+    assert up.returncode == 0, up.stderr
+    placed = json.loads(up.stdout.strip().splitlines()[-1])
+    assert set(placed) >= {"name", "target", "draft", "orchestrator", "http"}
+    expected = reference_greedy(char_models["target"], PROMPT, 16)
+    outside = None
+    try:
+        with TandemClient(placed["orchestrator"], timeout_s=120) as client:
+            assert client.generate(prompt_ids=PROMPT, max_tokens=16).token_ids == expected
+        with urllib.request.urlopen(f"http://{placed['http']}/health", timeout=30) as reply:
+            assert json.load(reply)["status"] == "ok"
+        registry = redis.Redis.from_url(REDIS_URL).hgetall(f"tandem:ray:{name}")
+        assert {k.decode(): v.decode() for k, v in registry.items()} == {k: placed[k] for k in
+                                                                        ("target", "draft", "orchestrator", "http")}
+        code, status = _status(ray_head, name)
+        assert code == 0 and set(status["services"]) == {"target", "draft", "orchestrator"}
+        assert all(s["alive"] and s["restarts"] == 0 for s in status["services"].values())
+
+        # An orchestrator started elsewhere finds the model services through Redis.
+        outside = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "orchestrator", "--port", "0",
+                                    "--discover", name, "--redis-url", REDIS_URL, "--tokenizer", char_models["draft"],
+                                    "--wait", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ready = outside.stdout.readline()
+        assert ready.startswith("READY orchestrator"), outside.stderr.read()
+        with TandemClient(ready.split()[-1], timeout_s=120) as client:
+            assert client.generate(prompt_ids=PROMPT, max_tokens=16).token_ids == expected
+
+        # The target's process dies: its actor starts it again on the same port, and requests go on.
+        target_pid = status["services"]["target"]["pid"]
+        subprocess.run(["kill", "-9", str(target_pid)], check=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            code, status = _status(ray_head, name)
+            target = status["services"]["target"]
+            if target["alive"] and target["restarts"] == 1:
+                break
+            time.sleep(1)
+        assert target["alive"] and target["restarts"] == 1 and target["pid"] != target_pid, status
+        assert target["address"] == placed["target"]
+        with TandemClient(placed["orchestrator"], timeout_s=120) as client:
+            for _ in range(30):  # the orchestrator's channel reconnects within seconds
+                try:
+                    assert client.generate(prompt_ids=PROMPT, max_tokens=16).token_ids == expected
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                    time.sleep(1)
+            else:
+                pytest.fail("the orchestrator did not reach the restarted target in 30 s")
+    finally:
+        if outside is not None:
+            outside.send_signal(signal.SIGTERM)
+            outside.communicate(timeout=60)
+        down = _tandem("ray", "down", *common, timeout=300)
+    assert down.returncode == 0, down.stderr
+    assert redis.Redis.from_url(REDIS_URL).exists(f"tandem:ray:{name}") == 0
+    code, status = _status(ray_head, name)
+    assert code == 1 and status["services"] == {}
+    with TandemClient(placed["orchestrator"], timeout_s=5) as client:
+        with pytest.raises(grpc.RpcError) as gone:
+            client.generate(prompt_ids=PROMPT, max_tokens=2)
+        assert gone.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert _tandem("ray", "down", *common, timeout=300).returncode == 1  # nothing left to take down
