@@ -342,8 +342,9 @@ class Gateway:
             try:
                 await shape.keep(final)
                 closing.append(events.done(final))
-            except grpc.aio.AioRpcError as err:  # told, instead of a Response said stored that is not
-                closing += events.error(ApiError.from_rpc(err).body())
+            except (grpc.aio.AioRpcError, ApiError) as err:  # told, instead of a Response said kept that is not
+                closing += events.error((ApiError.from_rpc(err) if isinstance(err, grpc.aio.AioRpcError)
+                                         else err).body())
             for event in closing:
                 await _send(out, event, event["type"])
             await out.write_eof()

@@ -20,8 +20,6 @@ from orchestrator.openai_params import flag, invalid
 PASSED = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
           "logit_bias", "stop", "parallel_tool_calls", "stream", "user")
 REFUSED = {
-    "conversation": "Tandem keeps no conversations; continue a stored response with 'previous_response_id', "
-                    "or send the whole conversation as 'input'",
     "prompt": "Tandem keeps no prompt templates; send the prompt as 'input'",
 }
 LOGPROBS = "message.output_text.logprobs"  # `include`: each output token's log probability
@@ -78,6 +76,21 @@ def stores(body: dict) -> bool:
     return value
 
 
+def conversation_id(body: dict) -> str | None:
+    """`conversation`: a conversation's id, or {"id": ...}; not with previous_response_id."""
+    value = body.get("conversation") if isinstance(body, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = value.get("id")
+    if not isinstance(value, str) or not value:
+        raise invalid("conversation", "'conversation' must be a conversation's id, or {\"id\": ...}")
+    if body.get("previous_response_id") is not None:
+        raise invalid("conversation", "'conversation' and 'previous_response_id' cannot both be given: a "
+                                      "response continues one or the other")
+    return value
+
+
 def previous_id(body: dict) -> str | None:
     value = body.get("previous_response_id") if isinstance(body, dict) else None
     if value is not None and (not isinstance(value, str) or not value):
@@ -103,6 +116,15 @@ def _messages(body: dict, previous: list[dict] = ()) -> list[dict]:
         raise invalid("input", "'input' must be a string or a non-empty list of items")
     _add_items(messages, items, "input")
     return messages
+
+
+def check_items(items, param: str) -> list:
+    """Input items (as `input` takes them) that could become a chat
+    completion's messages; an ApiError at `param` where one could not."""
+    if not isinstance(items, list):
+        raise invalid(param, f"'{param}' must be a list of items")
+    _add_items([], items, param)
+    return items
 
 
 def _add_items(messages: list[dict], items: list, param: str) -> None:
@@ -226,12 +248,14 @@ class Responses:
     def __init__(self, body: dict, model: str, keeper=None):
         self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
         self.store = stores(body)
-        self.keeper = keeper  # async (final Response) -> None: stores it (responses_routes), where it is kept
+        self.keeper = keeper  # async (final Response) -> None: keeps it (responses_routes)
         self.echoed = {name: body.get(name) for name in ECHOED}
         self.echoed["tools"] = self.echoed["tools"] or []
         self.echoed["tool_choice"] = self.echoed["tool_choice"] or "auto"
         self.echoed["parallel_tool_calls"] = self.echoed["parallel_tool_calls"] is not False
         self.echoed["text"] = self.echoed["text"] or {"format": {"type": "text"}}
+        conversation = conversation_id(body)
+        self.echoed["conversation"] = {"id": conversation} if conversation else None
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  incomplete: dict | None = None) -> dict:
@@ -256,8 +280,9 @@ class Responses:
         return ResponseEvents(self)
 
     async def keep(self, final: dict) -> None:
-        """Stores the finished Response, unless its request said "store": false."""
-        if self.store and self.keeper is not None:
+        """What keeps the finished Response (its routes': stored unless
+        "store": false, and its items added to its conversation)."""
+        if self.keeper is not None:
             await self.keeper(final)
 
 

@@ -21,7 +21,8 @@ import grpc
 from aiohttp import web
 
 from orchestrator.openai_params import ApiError
-from orchestrator.openai_responses import Responses, previous_id, responses_call
+from orchestrator.conversations import Conversations
+from orchestrator.openai_responses import Responses, conversation_id, previous_id, responses_call
 from tandem.v1 import tandem_pb2
 
 STORE_TIMEOUT_S = 10.0
@@ -57,14 +58,39 @@ def input_items(body: dict) -> list[dict]:
     return items
 
 
+def page(items: list[dict], query) -> dict:
+    """A page of items as OpenAI lists them: `limit` (1-100, 20) items in
+    `order` ("desc", the default, or "asc"), after the item `after`."""
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"'limit' must be an integer in [1, 100], not {query.get('limit')!r}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"'order' must be 'asc' or 'desc', not {order!r}", param="order")
+    if order == "desc":
+        items = items[::-1]
+    if "after" in query:
+        ids = [item.get("id") for item in items]
+        if query["after"] not in ids:
+            raise ApiError(400, f"'after' names no item here: {query['after']!r}", param="after")
+        items = items[ids.index(query["after"]) + 1:]
+    shown = items[:limit]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
+
+
 class ResponsesRoutes:
     """The routes, on a Gateway (its stub to the orchestrator, its answers)."""
 
     def __init__(self, gateway):
         self.gateway = gateway
+        self.conversations = Conversations(gateway)
 
     def routes(self) -> list:
-        return [
+        return [*self.conversations.routes(),
             web.post("/v1/responses", self.create),
             web.get("/v1/responses/{response_id}", self.retrieve),
             web.delete("/v1/responses/{response_id}", self.delete),
@@ -76,7 +102,16 @@ class ResponsesRoutes:
         gateway = self.gateway
         body = await gateway.body(request)
         previous = []
-        if (continued := previous_id(body)) is not None:
+        conversation = conversation_id(body)
+        if conversation is not None:
+            try:
+                previous = await self.conversations.items(request, conversation)
+            except ApiError as err:
+                if err.status != 404:
+                    raise
+                raise ApiError(404, f"the conversation {conversation!r} was not found", "invalid_request_error",
+                               "conversation", "conversation_not_found") from err
+        elif (continued := previous_id(body)) is not None:
             try:
                 stored = await self._stored(request, continued)
             except ApiError as err:
@@ -88,14 +123,20 @@ class ResponsesRoutes:
                                "previous_response_not_found") from err
             previous = previous_items(stored)
         call = responses_call(body, gateway.tool_call_parser, previous)
-        items = [*previous, *input_items(body)]
+        added = input_items(body)
+        shape = Responses(body, await gateway.model_name())
 
         async def keep(final: dict) -> None:
-            await gateway.stub.PutStoredResponse(
-                tandem_pb2.StoredResponse(response_id=final["id"], body_json=record(final, items)),
-                metadata=gateway.metadata(request), timeout=STORE_TIMEOUT_S)
+            """Stored (unless "store": false), and its input and output added to its conversation."""
+            if shape.store:
+                await gateway.stub.PutStoredResponse(
+                    tandem_pb2.StoredResponse(response_id=final["id"], body_json=record(final, [*previous, *added])),
+                    metadata=gateway.metadata(request), timeout=STORE_TIMEOUT_S)
+            if conversation is not None:
+                await self.conversations.append(request, conversation, [*added, *final["output"]])
 
-        return await gateway.answer(request, call, Responses(body, await gateway.model_name(), keep))
+        shape.keeper = keep
+        return await gateway.answer(request, call, shape)
 
     async def _stored(self, request: web.Request, response_id: str) -> str:
         """A stored response's record (`record`), or a 404."""
@@ -129,27 +170,8 @@ class ResponsesRoutes:
         Response answered (a continued one's earlier turns included), a page
         of `limit` (1-100, 20) items in `order` ("desc", the default, or
         "asc"), after the item `after`."""
-        query = request.query
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise ApiError(400, f"'limit' must be an integer in [1, 100], not {query.get('limit')!r}", param="limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, f"'order' must be 'asc' or 'desc', not {order!r}", param="order")
         items = json.loads(await self._stored(request, request.match_info["response_id"]))["input"]
-        if order == "desc":
-            items = items[::-1]
-        if "after" in query:
-            ids = [item.get("id") for item in items]
-            if query["after"] not in ids:
-                raise ApiError(400, f"'after' names no item of this response: {query['after']!r}", param="after")
-            items = items[ids.index(query["after"]) + 1:]
-        page = items[:limit]
-        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+        return web.json_response(page(items, request.query))
 
     async def cancel(self, request: web.Request) -> web.Response:
         """POST /v1/responses/{id}/cancel: for background responses, which Tandem does not run."""

@@ -18,7 +18,7 @@ from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
-from orchestrator.stored_responses import ResponseStore
+from orchestrator.stored_responses import ItemStore, ResponseStore
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
 from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -43,6 +43,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         self.store = SessionStore(config.redis_url, config.session_ttl_s,
                                   count_usage=config.quotas.tokens_per_minute > 0)
         self.responses = ResponseStore(self.store.redis, config.response_ttl_s)
+        self.items = ItemStore(self.responses)
         self.quotas = TenantQuotas(self.store.redis, config.quotas) if config.quotas.enabled else None
         self.api_keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
         self.prefix_cache = (PrefixCache(self.store, config.prefix_cache, f"{config.draft_address} {config.target_address}",
@@ -374,6 +375,40 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
         tenant = await self._tenant(context)
         try:
             deleted = await self.responses.delete(tenant, request.response_id)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return tandem_pb2.DeleteStoredResponseReply(deleted=deleted)
+
+    @store_unavailable
+    async def AppendStoredItems(self, request, context):
+        tenant = await self._tenant(context)
+        try:
+            length = await self.items.append(tenant, request.response_id, request.items_json, request.ttl_seconds)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if length is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored document {request.response_id!r} to add "
+                                                           "items to (never stored, deleted, expired, or another "
+                                                           "tenant's)")
+        return tandem_pb2.StoredItemsReply(length=length)
+
+    @store_unavailable
+    async def GetStoredItems(self, request, context):
+        tenant = await self._tenant(context)
+        try:
+            items = await self.items.get(tenant, request.response_id)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if items is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored document {request.response_id!r} (never "
+                                                           "stored, deleted, expired, or another tenant's)")
+        return tandem_pb2.StoredItems(response_id=request.response_id, items_json=items)
+
+    @store_unavailable
+    async def DeleteStoredItem(self, request, context):
+        tenant = await self._tenant(context)
+        try:
+            deleted = await self.items.delete(tenant, request.response_id, request.item_id)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return tandem_pb2.DeleteStoredResponseReply(deleted=deleted)

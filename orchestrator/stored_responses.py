@@ -4,7 +4,8 @@ its time to live. The HTTP API keeps each Response of /v1/responses here with
 the conversation it answered, and reads it back for previous_response_id
 (orchestrator/openai_responses.py); to the orchestrator a document is opaque.
 
-Keys: tandem:{tenant}:response:{id}   string: the document (JSON), expiring
+Keys: tandem:{tenant}:response:{id}         string: the document (JSON), expiring
+      tandem:{tenant}:response:{id}:items   list: its items (ItemStore; a conversation's), expiring with it
 """
 from __future__ import annotations
 
@@ -49,4 +50,75 @@ class ResponseStore:
         return None if raw is None else raw.decode()
 
     async def delete(self, tenant: str, response_id: str) -> bool:
-        return bool(await self.redis.delete(self._key(tenant, response_id)))
+        """Deletes the document, and its items (ItemStore) if it has any."""
+        key = self._key(tenant, response_id)
+        return bool(await self.redis.delete(key, f"{key}:items"))
+
+
+# Appends to an existing document's items and refreshes both keys' time to
+# live. KEYS: the document, its items. ARGV: ttl, then the items. Returns the
+# list's length, or -1 where the document is not there.
+_APPEND_ITEMS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local length = redis.call('LLEN', KEYS[2])
+for i = 2, #ARGV, 1024 do
+  length = redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 1023, #ARGV)))
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if length > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+return length
+"""
+# Removes the item whose "id" is ARGV[1] from KEYS[1]; returns 1, or 0 where none is.
+_DELETE_ITEM = """
+local items = redis.call('LRANGE', KEYS[1], 0, -1)
+for _, raw in ipairs(items) do
+  local ok, item = pcall(cjson.decode, raw)
+  if ok and type(item) == 'table' and item['id'] == ARGV[1] then
+    redis.call('LREM', KEYS[1], 1, raw)
+    return 1
+  end
+end
+return 0
+"""
+
+
+class ItemStore:
+    """A stored document's list of items (AppendStoredItems, GetStoredItems,
+    DeleteStoredItem): tandem:{tenant}:response:{id}:items, a Redis list of
+    JSON objects, each with a string "id"."""
+
+    def __init__(self, documents: ResponseStore):
+        self.documents = documents
+        self._append = documents.redis.register_script(_APPEND_ITEMS)
+        self._delete = documents.redis.register_script(_DELETE_ITEM)
+
+    def _keys(self, tenant: str, response_id: str) -> list[str]:
+        document = self.documents._key(tenant, response_id)
+        return [document, f"{document}:items"]
+
+    @staticmethod
+    def _check(items_json) -> list[str]:
+        for raw in items_json:
+            try:
+                item = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"a stored item is not valid JSON: {err}") from err
+            if not isinstance(item, dict) or not isinstance(item.get("id"), str):
+                raise ValueError("a stored item must be a JSON object with a string \"id\"")
+        return list(items_json)
+
+    async def append(self, tenant: str, response_id: str, items_json, ttl_s: int = 0) -> int | None:
+        """The list's length after the append; None where the document is not there."""
+        keys = self._keys(tenant, response_id)
+        length = await self._append(keys=keys, args=[ttl_s or self.documents.default_ttl_s,
+                                                     *self._check(items_json)])
+        return None if length < 0 else int(length)
+
+    async def get(self, tenant: str, response_id: str) -> list[str] | None:
+        document, items = self._keys(tenant, response_id)
+        async with self.documents.redis.pipeline(transaction=True) as pipe:
+            exists, raw = await pipe.exists(document).lrange(items, 0, -1).execute()
+        return [r.decode() for r in raw] if exists else None
+
+    async def delete(self, tenant: str, response_id: str, item_id: str) -> bool:
+        return bool(await self._delete(keys=self._keys(tenant, response_id)[1:], args=[item_id]))

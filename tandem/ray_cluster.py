@@ -206,6 +206,14 @@ def up(args) -> int:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     _connect(ray, args.address)
+    for role in ROLES:
+        try:
+            ray.get_actor(f"{args.name}-{role}", namespace=NAMESPACE)
+        except ValueError:
+            continue
+        print(f"tandem ray up: a deployment {args.name!r} is up already (its {role}); take it down first "
+              f"(tandem ray down --name {args.name}) or choose another --name", file=sys.stderr)
+        return 2
     gpus = _gpus_per_service(args.gpus_per_service, ray.cluster_resources().get("GPU", 0.0))
     bundle = {"CPU": args.cpus_per_service, **({"GPU": gpus} if gpus else {})}
     group = placement_group([bundle, bundle], strategy=PLACEMENTS[args.placement], name=f"{args.name}-services",

@@ -4,12 +4,14 @@ they do anywhere (greedy equals the target alone), register their addresses
 in Redis for an orchestrator started elsewhere (--discover), come back on
 their port when their process dies, and leave nothing behind when taken
 down."""
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -32,16 +34,42 @@ PROMPT = [5, 17, 33, 60, 12, 9]
 
 @pytest.fixture(scope="module")
 def ray_head():
-    if not RAY.exists() and shutil.which("ray") is None:
+    """A Ray head of its own (its own temp dir, which its processes' command
+    lines name), stopped alone at the end: `ray stop` would stop every Ray
+    cluster of this user on the machine."""
+    if not RAY.exists():
         pytest.fail("ray is a dependency of Tandem's dev setup; run make setup")
-    port = free_port()
+    port, temp_dir = free_port(), tempfile.mkdtemp(prefix="tray-", dir="/tmp")  # short: Ray's socket paths
     started = subprocess.run([str(RAY), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                              "--num-cpus=2", "--include-dashboard=false",
+                              "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp_dir}",
                               "--disable-usage-stats", "--object-store-memory=100000000"],
                              capture_output=True, text=True, timeout=180, env=RAY_ENV)
     assert started.returncode == 0, started.stderr
     yield f"127.0.0.1:{port}"
-    subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120, env=RAY_ENV)
+    _stop_processes_naming(temp_dir)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _stop_processes_naming(text: str, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, to every process whose command line holds `text`."""
+    def matching() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if text.encode() in (entry / "cmdline").read_bytes():
+                        pids.append(int(entry.name))
+                except OSError:
+                    continue
+        return pids
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in matching():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while matching() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def _tandem(*argv, timeout=600) -> subprocess.CompletedProcess:
@@ -73,6 +101,8 @@ def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(cha
         registry = redis.Redis.from_url(REDIS_URL).hgetall(f"tandem:ray:{name}")
         assert {k.decode(): v.decode() for k, v in registry.items()} == {k: placed[k] for k in
                                                                         ("target", "draft", "orchestrator", "http")}
+        again = _tandem("ray", "up", *common, "--gpus-per-service", "0", timeout=120)
+        assert again.returncode == 2 and "is up already" in again.stderr  # and the one up is left as it was
         code, status = _status(ray_head, name)
         assert code == 0 and set(status["services"]) == {"target", "draft", "orchestrator"}
         assert all(s["alive"] and s["restarts"] == 0 for s in status["services"].values())

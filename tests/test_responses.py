@@ -142,7 +142,8 @@ def test_a_json_schema_format_constrains_the_response_as_response_format_does(ht
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"input": "hi", "conversation": "conv_1"}, "conversation", "previous_response_id"),
+    ({"input": "hi", "conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation", "cannot both"),
+    ({"input": "hi", "conversation": 5}, "conversation", "conversation's id"),
     ({"input": "hi", "background": True}, "background", "not supported"),
     ({"input": "hi", "store": "yes"}, "store", "true or false"),
     ({"input": "hi", "previous_response_id": 7}, "previous_response_id", "a string"),
@@ -369,11 +370,30 @@ def test_stored_response_rpcs_check_what_they_keep(cluster):
         assert reply.ttl_seconds == 30 and 0 < redis.Redis.from_url(REDIS_URL).ttl("tandem:default:response:resp_rpc") <= 30
         got = stub.GetStoredResponse(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10)
         assert json.loads(got.body_json) == {"a": 1}
+        # Its items: appended in order, checked, one taken out by id.
+        items = [json.dumps({"id": f"i{n}", "n": n}) for n in range(3)]
+        assert stub.AppendStoredItems(tandem_pb2.StoredItems(response_id="resp_rpc", items_json=items[:2]),
+                                      timeout=10).length == 2
+        assert stub.AppendStoredItems(tandem_pb2.StoredItems(response_id="resp_rpc", items_json=items[2:]),
+                                      timeout=10).length == 3
+        for bad in (['{"n": 1}'], ["[1]"], ["{nope"]):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.AppendStoredItems(tandem_pb2.StoredItems(response_id="resp_rpc", items_json=bad), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.AppendStoredItems(tandem_pb2.StoredItems(response_id="resp_none", items_json=items), timeout=10)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        assert stub.DeleteStoredItem(tandem_pb2.StoredItemRef(response_id="resp_rpc", item_id="i1"), timeout=10).deleted
+        assert not stub.DeleteStoredItem(tandem_pb2.StoredItemRef(response_id="resp_rpc", item_id="i1"),
+                                         timeout=10).deleted
+        kept = stub.GetStoredItems(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10).items_json
+        assert [json.loads(i)["id"] for i in kept] == ["i0", "i2"]
         assert stub.DeleteStoredResponse(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10).deleted
         assert not stub.DeleteStoredResponse(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10).deleted
         with pytest.raises(grpc.RpcError) as missing:
             stub.GetStoredResponse(tandem_pb2.StoredResponseRef(response_id="resp_rpc"), timeout=10)
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        assert redis.Redis.from_url(REDIS_URL).exists("tandem:default:response:resp_rpc:items") == 0  # with it
 
 
 def test_kept_input_items_have_ids_types_and_parts():
@@ -399,3 +419,78 @@ def test_cancelling_a_response_is_for_background_ones_which_tandem_runs_none_of(
     assert "background" in refused.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         api.responses.cancel("resp_nothing_here")
+
+
+# --- conversations --------------------------------------------------------------------------
+
+def test_a_conversation_gathers_each_responses_input_and_output_and_answers_as_its_history(http, cluster):  # noqa: F811
+    """OpenAI's Conversations API: items given at creation, then each
+    response's input and output added; a response in it equals the chat
+    completion of the whole history, whatever "store" says."""
+    api = client(http)
+    conversation = api.conversations.create(items=[{"type": "message", "role": "system", "content": INSTRUCTIONS}],
+                                            metadata={"topic": "weather"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "weather"}
+    first = api.responses.create(model="tandem-tiny", conversation=conversation.id, input=ASK[0]["content"],
+                                 max_output_tokens=12, temperature=0)
+    second = api.responses.create(model="tandem-tiny", conversation={"id": conversation.id}, input="And in Bergen?",
+                                  max_output_tokens=12, temperature=0, store=False)
+    history = [{"role": "system", "content": INSTRUCTIONS}, *ASK, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "And in Bergen?"}]
+    text, prompt_tokens = _chat_text(api, history, max_tokens=12)
+    assert second.output_text == text and second.usage.input_tokens == prompt_tokens
+    assert second.conversation.id == conversation.id and first.conversation.id == conversation.id
+    items = api.conversations.items.list(conversation.id, order="asc").data
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("system", INSTRUCTIONS), ("user", ASK[0]["content"]), ("assistant", first.output_text),
+        ("user", "And in Bergen?"), ("assistant", second.output_text)]
+    assert items[2].id == first.output[0].id and items[4].id == second.output[0].id
+    assert [i.id for i in api.conversations.items.list(conversation.id, limit=2).data] == [items[4].id, items[3].id]
+    assert api.conversations.items.retrieve(items[1].id, conversation_id=conversation.id).content[0].text == \
+        ASK[0]["content"]
+
+    # Items added by hand, one taken out, the metadata replaced.
+    added = api.conversations.items.create(conversation.id, items=[{"type": "message", "role": "user",
+                                                                     "content": "Thanks."}]).data
+    assert [i.content[0].text for i in added] == ["Thanks."]
+    after = api.conversations.items.delete(items[3].id, conversation_id=conversation.id)
+    assert after.id == conversation.id
+    remaining = [i.id for i in api.conversations.items.list(conversation.id, order="asc").data]
+    assert remaining == [items[0].id, items[1].id, items[2].id, items[4].id, added[0].id]
+    assert api.conversations.update(conversation.id, metadata={"topic": "rain"}).metadata == {"topic": "rain"}
+    assert api.conversations.retrieve(conversation.id).metadata == {"topic": "rain"}
+
+    # Another tenant reaches none of it; deleted, it is gone for responses too.
+    other = client(http, **{"x-tandem-tenant": "globex"})
+    with pytest.raises(openai.NotFoundError):
+        other.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="tandem-tiny", conversation=conversation.id, input="Hi", max_output_tokens=2)
+    assert api.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        api.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.responses.create(model="tandem-tiny", conversation=conversation.id, input="Hi", max_output_tokens=2)
+    assert missing.value.body["param"] == "conversation"
+    with pytest.raises(openai.NotFoundError):  # a stored response is no conversation
+        api.conversations.retrieve(first.id)
+
+
+def test_responses_at_once_in_one_conversation_lose_no_item(http, cluster):  # noqa: F811
+    """Each response's items are added to its conversation atomically: four
+    at once, and all their inputs and outputs are there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api = client(http)
+    conversation = api.conversations.create()
+    questions = [f"Question {i}?" for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda q: api.responses.create(model="tandem-tiny", conversation=conversation.id,
+                                                               input=q, max_output_tokens=4, temperature=0,
+                                                               store=False), questions))
+    items = api.conversations.items.list(conversation.id, order="asc", limit=100).data
+    assert len(items) == 8
+    asked = [i.content[0].text for i in items if i.role == "user"]
+    assert sorted(asked) == sorted(questions)
+    assert {i.id for i in items if i.role == "assistant"} == {a.output[0].id for a in answers}
+    api.conversations.delete(conversation.id)
