@@ -217,31 +217,21 @@ def generation_params(body: dict, max_tokens_names: tuple[str, ...], chat: bool)
             if not -100 <= value <= 100:
                 raise invalid("logit_bias", f"'logit_bias' values must be in [-100, 100], not {value!r}")
             params.logit_bias[int(key)] = float(value)
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise invalid("stop_token_ids", "'stop_token_ids' must be a list of token ids")
-        params.stop_token_ids.extend(ids)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise invalid("stop", "'stop' must be a string or a list of strings")
-        params.stop.extend(s for s in stop if s)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = body.get(name)
+        if ids is not None:
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise invalid(name, f"'{name}' must be a list of token ids")
+            getattr(params, name).extend(ids)
+    for name in ("stop", "bad_words"):
+        texts = body.get(name)
+        if isinstance(texts, str):
+            texts = [texts]
+        if texts is not None:
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise invalid(name, f"'{name}' must be a string or a list of strings")
+            getattr(params, name).extend(t for t in texts if t)
     if flag(body, "include_stop_str_in_output"):
         params.include_stop_str_in_output = True
-    allowed = body.get("allowed_token_ids")
-    if allowed is not None:
-        if not isinstance(allowed, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in allowed):
-            raise invalid("allowed_token_ids", "'allowed_token_ids' must be a list of token ids")
-        params.allowed_token_ids.extend(allowed)
-    words = body.get("bad_words")
-    if words is not None:
-        if isinstance(words, str):
-            words = [words]
-        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-            raise invalid("bad_words", "'bad_words' must be a list of strings")
-        params.bad_words.extend(words)
     _logprobs(body, chat, params)
     return params

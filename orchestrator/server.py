@@ -18,7 +18,7 @@ from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
-from orchestrator.stored_responses import ItemStore, ResponseStore
+from orchestrator.stored_responses import ItemStore, ResponseStore, StoredRpcs
 from orchestrator.text import ChatTemplate
 from tandem import placement, serving, telemetry
 from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -34,7 +34,7 @@ class PairingError(RuntimeError):
     pass
 
 
-class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
+class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
     def __init__(self, config: OrchestratorConfig):
         self.config = config
         self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s, config.service_transport)
@@ -42,7 +42,7 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                                      relay_to=(config.relay_address or config.draft_address) if config.relay else "")
         self.store = SessionStore(config.redis_url, config.session_ttl_s,
                                   count_usage=config.quotas.tokens_per_minute > 0)
-        self.responses = ResponseStore(self.store.redis, config.response_ttl_s)
+        self.responses = ResponseStore(self.store.redis, config.response_ttl_s)  # StoredRpcs'
         self.items = ItemStore(self.responses)
         self.quotas = TenantQuotas(self.store.redis, config.quotas) if config.quotas.enabled else None
         self.api_keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
@@ -348,70 +348,6 @@ class OrchestratorServicer(tandem_pb2_grpc.TandemServicer):
                                             text=request.text)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-
-    @store_unavailable
-    async def PutStoredResponse(self, request, context):
-        tenant = await self._tenant(context)
-        try:
-            ttl = await self.responses.put(tenant, request.response_id, request.body_json, request.ttl_seconds)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return tandem_pb2.PutStoredResponseReply(ttl_seconds=ttl)
-
-    @store_unavailable
-    async def GetStoredResponse(self, request, context):
-        tenant = await self._tenant(context)
-        try:
-            body = await self.responses.get(tenant, request.response_id)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if body is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored response {request.response_id!r} (never "
-                                                           "stored, deleted, expired, or another tenant's)")
-        return tandem_pb2.StoredResponse(response_id=request.response_id, body_json=body)
-
-    @store_unavailable
-    async def DeleteStoredResponse(self, request, context):
-        tenant = await self._tenant(context)
-        try:
-            deleted = await self.responses.delete(tenant, request.response_id)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return tandem_pb2.DeleteStoredResponseReply(deleted=deleted)
-
-    @store_unavailable
-    async def AppendStoredItems(self, request, context):
-        tenant = await self._tenant(context)
-        try:
-            length = await self.items.append(tenant, request.response_id, request.items_json, request.ttl_seconds)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if length is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored document {request.response_id!r} to add "
-                                                           "items to (never stored, deleted, expired, or another "
-                                                           "tenant's)")
-        return tandem_pb2.StoredItemsReply(length=length)
-
-    @store_unavailable
-    async def GetStoredItems(self, request, context):
-        tenant = await self._tenant(context)
-        try:
-            items = await self.items.get(tenant, request.response_id)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if items is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored document {request.response_id!r} (never "
-                                                           "stored, deleted, expired, or another tenant's)")
-        return tandem_pb2.StoredItems(response_id=request.response_id, items_json=items)
-
-    @store_unavailable
-    async def DeleteStoredItem(self, request, context):
-        tenant = await self._tenant(context)
-        try:
-            deleted = await self.items.delete(tenant, request.response_id, request.item_id)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return tandem_pb2.DeleteStoredResponseReply(deleted=deleted)
 
     def _tokenizer_info(self) -> tandem_pb2.TokenizerInfo:
         tokenizer = self.tokenizer

@@ -1,8 +1,11 @@
-"""Stored responses (the Tandem API's PutStoredResponse, GetStoredResponse and
-DeleteStoredResponse): JSON documents in Redis under their tenant, each with
-its time to live. The HTTP API keeps each Response of /v1/responses here with
-the conversation it answered, and reads it back for previous_response_id
-(orchestrator/openai_responses.py); to the orchestrator a document is opaque.
+"""Stored documents (the Tandem API's PutStoredResponse, GetStoredResponse and
+DeleteStoredResponse, and their items' AppendStoredItems, GetStoredItems and
+DeleteStoredItem; the rpcs, StoredRpcs): JSON documents in Redis under their
+tenant, each with its time to live. The HTTP API keeps each Response of
+/v1/responses here with the conversation it answered, and reads it back for
+previous_response_id (orchestrator/responses_routes.py), and each
+conversation's metadata and items (orchestrator/conversations.py); to the
+orchestrator a document is opaque.
 
 Keys: tandem:{tenant}:response:{id}         string: the document (JSON), expiring
       tandem:{tenant}:response:{id}:items   list: its items (ItemStore; a conversation's), expiring with it
@@ -12,7 +15,11 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import redis.asyncio as redis
+
+from orchestrator.guards import store_unavailable
+from tandem.v1 import tandem_pb2
 
 RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -122,3 +129,58 @@ class ItemStore:
 
     async def delete(self, tenant: str, response_id: str, item_id: str) -> bool:
         return bool(await self._delete(keys=self._keys(tenant, response_id)[1:], args=[item_id]))
+
+
+def _gone(what: str) -> str:
+    return f"no stored document {what!r} (never stored, deleted, expired, or another tenant's)"
+
+
+class StoredRpcs:
+    """The orchestrator's rpcs of stored documents and their items, for the
+    caller's tenant (the servicer has `responses`, `items` and `_tenant`).
+    A bad id or document is INVALID_ARGUMENT, a missing one NOT_FOUND."""
+
+    async def _on_store(self, context, method, *args):
+        tenant = await self._tenant(context)
+        try:
+            return await method(tenant, *args)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    @store_unavailable
+    async def PutStoredResponse(self, request, context):
+        ttl = await self._on_store(context, self.responses.put, request.response_id, request.body_json,
+                                   request.ttl_seconds)
+        return tandem_pb2.PutStoredResponseReply(ttl_seconds=ttl)
+
+    @store_unavailable
+    async def GetStoredResponse(self, request, context):
+        body = await self._on_store(context, self.responses.get, request.response_id)
+        if body is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, _gone(request.response_id))
+        return tandem_pb2.StoredResponse(response_id=request.response_id, body_json=body)
+
+    @store_unavailable
+    async def DeleteStoredResponse(self, request, context):
+        deleted = await self._on_store(context, self.responses.delete, request.response_id)
+        return tandem_pb2.DeleteStoredResponseReply(deleted=deleted)
+
+    @store_unavailable
+    async def AppendStoredItems(self, request, context):
+        length = await self._on_store(context, self.items.append, request.response_id, request.items_json,
+                                      request.ttl_seconds)
+        if length is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, _gone(request.response_id))
+        return tandem_pb2.StoredItemsReply(length=length)
+
+    @store_unavailable
+    async def GetStoredItems(self, request, context):
+        items = await self._on_store(context, self.items.get, request.response_id)
+        if items is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, _gone(request.response_id))
+        return tandem_pb2.StoredItems(response_id=request.response_id, items_json=items)
+
+    @store_unavailable
+    async def DeleteStoredItem(self, request, context):
+        deleted = await self._on_store(context, self.items.delete, request.response_id, request.item_id)
+        return tandem_pb2.DeleteStoredResponseReply(deleted=deleted)
