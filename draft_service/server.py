@@ -278,13 +278,14 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
 
 
 def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(),
-                 options: DraftOptions = DraftOptions()):
-    """Returns (server, port, health, servicer); the caller starts the server."""
+                 options: DraftOptions = DraftOptions(), tls=None):
+    """Returns (server, port, health, servicer); the caller starts the server.
+    tls: a tandem.tls.ServerTls to serve with."""
     servicer = DraftServicer(model, cache, options)
 
     def register(server):
         draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
         return SERVICE_NAME
 
-    server, port, health = serving.create_server(address, [register])
+    server, port, health = serving.create_server(address, [register], tls.grpc_credentials() if tls else None)
     return server, port, health, servicer

@@ -132,11 +132,12 @@ class _GrpcClient:
     """transport "stream" sends the model calls (Propose, Verify) on one
     long-lived stream per client (tandem.multiplex), "unary" as one rpc each."""
 
-    def __init__(self, address: str, stub_class, timeout_s: float, transport: str, method: str, call_type):
+    def __init__(self, address: str, stub_class, timeout_s: float, transport: str, method: str, call_type,
+                 tls: tuple = (None, "")):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.address = address
-        self.channel = serving.insecure_channel(address)
+        self.channel = serving.service_channel(address, *tls)  # tls: (channel credentials, server name)
         self.stub = stub_class(self.channel)
         self.timeout_s = timeout_s
         self.unary = getattr(self.stub, method)
@@ -187,9 +188,9 @@ class _GrpcClient:
 
 
 class GrpcProposer(_GrpcClient):
-    def __init__(self, address: str, timeout_s: float = 120.0, transport: str = "stream"):
+    def __init__(self, address: str, timeout_s: float = 120.0, transport: str = "stream", tls: tuple = (None, "")):
         super().__init__(address, draft_pb2_grpc.DraftServiceStub, timeout_s, transport, "Propose",
-                         draft_pb2.ProposeCall)
+                         draft_pb2.ProposeCall, tls)
 
     async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False, alternatives=False):
         request = draft_pb2.ProposeRequest(
@@ -223,9 +224,10 @@ class GrpcVerifier(_GrpcClient):
     verifies ask the target to relay its verdict (target_service.relay); ""
     for none."""
 
-    def __init__(self, address: str, timeout_s: float = 120.0, transport: str = "stream", relay_to: str = ""):
+    def __init__(self, address: str, timeout_s: float = 120.0, transport: str = "stream", relay_to: str = "",
+                 tls: tuple = (None, "")):
         super().__init__(address, target_pb2_grpc.TargetServiceStub, timeout_s, transport, "Verify",
-                         target_pb2.VerifyCall)
+                         target_pb2.VerifyCall, tls)
         self.relay_to = relay_to
         self.relays = bool(relay_to)
 

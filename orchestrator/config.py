@@ -89,6 +89,13 @@ class OrchestratorConfig:
     # the x-tandem-tenant metadata is trusted as it is.
     api_keys_file: str = ""
     quotas: QuotaConfig = field(default_factory=QuotaConfig)
+    # The model services over TLS: their CA ("" = plaintext), the orchestrator's
+    # client certificate and key for services that ask for one, and the name
+    # their certificates hold where it is not the addresses' host.
+    service_tls_ca: str = ""
+    service_tls_cert: str = ""
+    service_tls_key: str = ""
+    service_tls_server_name: str = ""
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
@@ -101,5 +108,13 @@ class OrchestratorConfig:
             raise ValueError(f"max_concurrent_requests must be >= 0 (0: no limit), got {self.max_concurrent_requests}")
         if not self.service_timeout_s > 0:
             raise ValueError(f"service_timeout_s must be > 0, got {self.service_timeout_s}")
+        if (self.service_tls_cert or self.service_tls_key or self.service_tls_server_name) and not self.service_tls_ca:
+            raise ValueError("--service-tls-cert, --service-tls-key and --service-tls-server-name need "
+                             "--service-tls-ca: the CA the services' certificates are checked against")
+        if bool(self.service_tls_cert) != bool(self.service_tls_key):
+            raise ValueError("--service-tls-cert and --service-tls-key go together")
+        if self.service_tls_ca and self.relay:
+            raise ValueError("--relay on has the target dial the draft, in plaintext: it cannot be combined with "
+                             "--service-tls-ca")
         if self.service_transport not in TRANSPORTS:
             raise ValueError(f"service_transport must be one of {TRANSPORTS}, got {self.service_transport!r}")

@@ -37,9 +37,16 @@ class PairingError(RuntimeError):
 class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
     def __init__(self, config: OrchestratorConfig):
         self.config = config
-        self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s, config.service_transport)
+        tls = (None, "")
+        if config.service_tls_ca:
+            from tandem.tls import channel_credentials
+
+            tls = (channel_credentials(config.service_tls_ca, config.service_tls_cert, config.service_tls_key),
+                   config.service_tls_server_name)
+        self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s, config.service_transport, tls)
         self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s, config.service_transport,
-                                     relay_to=(config.relay_address or config.draft_address) if config.relay else "")
+                                     relay_to=(config.relay_address or config.draft_address) if config.relay else "",
+                                     tls=tls)
         self.store = SessionStore(config.redis_url, config.session_ttl_s,
                                   count_usage=config.quotas.tokens_per_minute > 0)
         self.responses = ResponseStore(self.store.redis, config.response_ttl_s)  # StoredRpcs'

@@ -51,10 +51,11 @@ def _serve(args) -> None:
         http = await _start_http(args, port, public) if args.role == "orchestrator" and args.http_port is not None \
             else None
         serving.freeze_startup_objects()
+        stop = serving.stop_on_signals()
         await serving.set_serving(health, [name], True)
         logging.getLogger("tandem").info("%s serving on %s:%d", args.role, args.host, port)
         print(f"READY {args.role} {args.host}:{port}", flush=True)
-        await serving.run_until_signalled(server, health, [name], draining=draining)
+        await serving.run_until_signalled(server, health, [name], draining=draining, stop=stop)
         if http is not None:
             runner, gateway = http
             await runner.cleanup()
@@ -94,16 +95,10 @@ def _serve(args) -> None:
                 api_keys_file=args.api_keys,
                 quotas=QuotaConfig(max_requests=args.tenant_max_requests,
                                    tokens_per_minute=args.tenant_tokens_per_minute),
+                service_tls_ca=args.service_tls_ca, service_tls_cert=args.service_tls_cert,
+                service_tls_key=args.service_tls_key, service_tls_server_name=args.service_tls_server_name,
             )
-            from tandem.tls import ServerTls
-
-
-            if bool(args.tls_cert) != bool(args.tls_key):
-                raise ValueError("--tls-cert and --tls-key go together: the certificate and its private key")
-            if args.tls_client_ca and not args.tls_cert:
-                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are asked "
-                                 "for over TLS")
-            public["tls"] = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+            public["tls"] = _server_tls(args)
             if public["tls"] is not None and args.http_port is not None:
                 # Behind TLS, the gateway dials a Unix socket of this process's own (its
                 # directory is the user's alone), not the TLS port, whose name it cannot check.
@@ -128,7 +123,8 @@ def _serve(args) -> None:
                 from target_service.server import SERVICE_NAME as name, build_server
 
                 server, port, health, servicer = build_server(address, model, cache, graphs=args.graphs,
-                                                              batch_verifies=args.batch_verifies)
+                                                              batch_verifies=args.batch_verifies,
+                                                              tls=_server_tls(args))
             else:
                 from draft_service.server import SERVICE_NAME as name, DraftOptions, build_server
 
@@ -136,7 +132,7 @@ def _serve(args) -> None:
                                        quantize=args.quantize, min_confidence=args.min_confidence,
                                        lean_step=args.lean_step, int4_kernel=args.int4_kernel,
                                        batch_drafts=args.batch_drafts)
-                server, port, health, servicer = build_server(address, model, cache, options)
+                server, port, health, servicer = build_server(address, model, cache, options, tls=_server_tls(args))
             draining = servicer.draining
         return server, port, health, servicer, name, draining
 
@@ -212,6 +208,19 @@ def _print_result(result, args) -> None:
         f"({result.completion_tokens / max(s.total_ms / 1e3, 1e-9):.1f} tok/s){reused}",
         file=sys.stderr,
     )
+
+
+def _server_tls(args):
+    """The service's TLS (--tls-cert, --tls-key, --tls-client-ca), or None."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together: the certificate and its private key")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are asked for over TLS")
+    if not args.tls_cert:
+        return None
+    from tandem.tls import ServerTls
+
+    return ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
 def _client_tls(args):

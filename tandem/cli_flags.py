@@ -77,7 +77,20 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                    help="KV cache budget for all sessions, MiB; 0 = unbounded (default: %(default)s)")
     p.add_argument("--session-ttl", type=float, default=3600,
                    help="drop caches idle this many seconds; 0 = never (default: %(default)s)")
+    _add_tls_flags(p, "this service's gRPC API", "The orchestrator dials it with --service-tls-ca")
     _add_telemetry_flags(p)
+
+
+def _add_tls_flags(p, what: str, more: str) -> None:
+    """--tls-cert, --tls-key and --tls-client-ca of a server (tandem.tls.ServerTls)."""
+    p.add_argument("--tls-cert", default=os.environ.get("TANDEM_TLS_CERT", ""), metavar="FILE",
+                   help=f"serve {what} over TLS with this certificate chain (PEM; with --tls-key). {more} "
+                        "(default: $TANDEM_TLS_CERT, else no TLS)")
+    p.add_argument("--tls-key", default=os.environ.get("TANDEM_TLS_KEY", ""), metavar="FILE",
+                   help="the private key of --tls-cert (PEM; default: $TANDEM_TLS_KEY, else none)")
+    p.add_argument("--tls-client-ca", default=os.environ.get("TANDEM_TLS_CLIENT_CA", ""), metavar="FILE",
+                   help="with --tls-cert: require client certificates signed by this CA (mutual TLS; default: "
+                        "$TANDEM_TLS_CLIENT_CA, else none)")
 
 
 def _add_telemetry_flags(p) -> None:
@@ -277,15 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--http-port", type=_int_in(0, 65535), default=None,
                       help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                            "/v1/models, /health) on this port of --host; 0 picks one (default: off)")
-    orch.add_argument("--tls-cert", default=os.environ.get("TANDEM_TLS_CERT", ""), metavar="FILE",
-                      help="serve the gRPC API, and the HTTP API of --http-port, over TLS with this certificate "
-                           "chain (PEM; with --tls-key). The hops to the model services stay plaintext: a "
-                           "service mesh's mutual TLS covers those (env TANDEM_TLS_CERT; default: no TLS)")
-    orch.add_argument("--tls-key", default=os.environ.get("TANDEM_TLS_KEY", ""), metavar="FILE",
-                      help="the private key of --tls-cert (PEM; default: $TANDEM_TLS_KEY, else none)")
-    orch.add_argument("--tls-client-ca", default=os.environ.get("TANDEM_TLS_CLIENT_CA", ""), metavar="FILE",
-                      help="with --tls-cert: require client certificates signed by this CA, on both APIs "
-                           "(mutual TLS; default: $TANDEM_TLS_CLIENT_CA, else none)")
+    _add_tls_flags(orch, "the gRPC API, and the HTTP API of --http-port,",
+                   "The hops to the model services are TLS with --service-tls-ca")
+    orch.add_argument("--service-tls-ca", default=os.environ.get("TANDEM_SERVICE_TLS_CA", ""), metavar="FILE",
+                      help="dial the draft and the target over TLS (services run with --tls-cert), checking their "
+                           "certificates against this CA (PEM; default: $TANDEM_SERVICE_TLS_CA, else plaintext)")
+    orch.add_argument("--service-tls-cert", default=os.environ.get("TANDEM_SERVICE_TLS_CERT", ""), metavar="FILE",
+                      help="with --service-tls-ca: the orchestrator's client certificate, for services run with "
+                           "--tls-client-ca (mutual TLS); with --service-tls-key (default: $TANDEM_SERVICE_TLS_CERT, "
+                           "else none)")
+    orch.add_argument("--service-tls-key", default=os.environ.get("TANDEM_SERVICE_TLS_KEY", ""), metavar="FILE",
+                      help="the private key of --service-tls-cert (default: $TANDEM_SERVICE_TLS_KEY, else none)")
+    orch.add_argument("--service-tls-server-name", default="", metavar="NAME",
+                      help="the name the services' certificates must hold, where it is not the host of --draft and "
+                           "--target (an IP address, say) (default: those hosts)")
     orch.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                       help="web origins (https://chat.example.com, or * for any) whose pages may call the HTTP "
                            "API from a browser: CORS headers and preflights on every route (default: none)")

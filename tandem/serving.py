@@ -93,15 +93,22 @@ async def set_serving(health_servicer, names: Iterable[str], serving: bool) -> N
         await health_servicer.set(name, status)
 
 
-async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: list[str], grace_s: float = 10.0,
-                              draining: asyncio.Event | None = None):
-    """Serves until SIGTERM or SIGINT, then drains: NOT_SERVING, set `draining`
-    (long-lived streams end once their calls are answered), finish in-flight
-    calls, stop."""
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets, from now on (a service installs
+    it before it says it is ready, so that a signal right after is a drain)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: list[str], grace_s: float = 10.0,
+                              draining: asyncio.Event | None = None, stop: asyncio.Event | None = None):
+    """Serves until SIGTERM or SIGINT (`stop`, from stop_on_signals), then
+    drains: NOT_SERVING, set `draining` (long-lived streams end once their
+    calls are answered), finish in-flight calls, stop."""
+    stop = stop or stop_on_signals()
     await stop.wait()
     log.info("draining (grace %.0fs)", grace_s)
     await set_serving(health_servicer, names, False)
@@ -118,6 +125,16 @@ SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, ("grpc.max_reco
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=SERVICE_CHANNEL_OPTIONS)
+
+
+def service_channel(address: str, credentials=None, server_name: str = "") -> grpc.aio.Channel:
+    """A channel to a model service: over TLS with `credentials`
+    (tandem.tls.channel_credentials), checking that the certificate holds
+    `server_name` where given (else the address's host); else plaintext."""
+    if credentials is None:
+        return insecure_channel(address)
+    options = [*SERVICE_CHANNEL_OPTIONS, *([("grpc.ssl_target_name_override", server_name)] if server_name else [])]
+    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
 class ModelWorker:

@@ -200,13 +200,14 @@ def _wire_logprobs(logprobs) -> list[target_pb2.TokenLogprobs]:
 
 
 def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto",
-                 batch_verifies: int = 1):
-    """Returns (server, port, health, servicer); the caller starts the server."""
+                 batch_verifies: int = 1, tls=None):
+    """Returns (server, port, health, servicer); the caller starts the server.
+    tls: a tandem.tls.ServerTls to serve with."""
     servicer = TargetServicer(model, cache, graphs, batch_verifies)
 
     def register(server):
         target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
         return SERVICE_NAME
 
-    server, port, health = serving.create_server(address, [register])
+    server, port, health = serving.create_server(address, [register], tls.grpc_credentials() if tls else None)
     return server, port, health, servicer

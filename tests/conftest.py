@@ -114,14 +114,16 @@ class Cluster:
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
                  target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int = 1,
-                 quotas=None):
+                 quotas=None, service_tls=None):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
         # that every greedy end-to-end test verifies alternatives as well as
         # tests/test_tree.py (None: auto). target_graphs: the target service's
         # --graphs; auto replays CUDA graphs on a GPU (TANDEM_TEST_DEVICE=cuda),
-        # whose verify takes the block alone (no alternatives).
+        # whose verify takes the block alone (no alternatives). service_tls: the
+        # model services' tandem.tls.ServerTls ("server") and the orchestrator's
+        # service_tls_* settings (ca, cert, key, server_name).
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -134,7 +136,7 @@ class Cluster:
                            inline_compute=inline_compute, relay=relay, relay_address=relay_address,
                            tree_width=tree_width, target_graphs=target_graphs, prefix_cache=prefix_cache,
                            api_keys_file=api_keys_file, target_batch=target_batch,
-                           quotas=quotas)
+                           quotas=quotas, service_tls=service_tls or {})
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -152,11 +154,11 @@ class Cluster:
         target, target_port, _, self.target = build_target(
             "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"], linear=p["target_linear"],
                                        inline_compute=p["inline_compute"]), cache, graphs=p["target_graphs"],
-            batch_verifies=p["target_batch"])
+            batch_verifies=p["target_batch"], tls=p["service_tls"].get("server"))
         draft, draft_port, _, self.draft = build_draft(
             "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"],
                                        inline_compute=p["inline_compute"]), cache,
-            p["draft_options"] or DraftOptions())
+            p["draft_options"] or DraftOptions(), tls=p["service_tls"].get("server"))
         await target.start()
         await draft.start()
         self.servers += [target, draft]
@@ -170,6 +172,7 @@ class Cluster:
             relay_address=p["relay_address"], tree_width=p["tree_width"],
             prefix_cache=p["prefix_cache"] or PrefixCacheConfig(), api_keys_file=p["api_keys_file"],
             quotas=p["quotas"] or QuotaConfig(),
+            **{f"service_tls_{k}": v for k, v in p["service_tls"].items() if k != "server"},
         )
         orch, orch_port, _, self.orchestrator = build_orch("127.0.0.1:0", config)
         await orch.start()

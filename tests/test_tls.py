@@ -36,6 +36,10 @@ def pki(tmp_path_factory):
     server.private_key_pem.write_to_path(str(files["key"]))
     client.cert_chain_pems[0].write_to_path(str(files["client_cert"]))
     client.private_key_pem.write_to_path(str(files["client_key"]))
+    named = ca.issue_cert("tandem-services.internal")  # a name, not the address the services are dialled at
+    files["named_cert"], files["named_key"] = root / "named.pem", root / "named.key"
+    named.cert_chain_pems[0].write_to_path(str(files["named_cert"]))
+    named.private_key_pem.write_to_path(str(files["named_key"]))
     other = trustme.CA().issue_cert("client@elsewhere.test")  # a certificate from a CA the server does not trust
     files["stranger_cert"], files["stranger_key"] = root / "stranger.pem", root / "stranger.key"
     other.cert_chain_pems[0].write_to_path(str(files["stranger_cert"]))
@@ -157,3 +161,59 @@ def test_tls_flags_that_cannot_serve_are_refused_at_start_with_words(pki, tmp_pa
     done = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "orchestrator", "--port", "0",
                            *[files.get(f, f) for f in flags]], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and words in done.stderr, done.stderr
+
+
+# --- the hops to the model services -----------------------------------------------------------
+
+PROMPT = [5, 17, 33, 60, 12, 9]
+
+
+def test_the_model_services_over_mutual_tls_lose_nothing(char_models, pki):
+    """Services run with --tls-cert and --tls-client-ca; the orchestrator dials
+    them with --service-tls-ca and its client certificate: greedy equals the
+    target alone. Their certificates may hold a name other than the address
+    dialled (--service-tls-server-name)."""
+    from tandem.tls import ServerTls
+    from tests.conftest import reference_greedy
+
+    expected = reference_greedy(char_models["target"], PROMPT, 16)
+    for cert, key, name in ((pki["cert"], pki["key"], ""),
+                            (pki["named_cert"], pki["named_key"], "tandem-services.internal")):
+        cluster = Cluster(char_models["target"], char_models["draft"], relay=False, service_tls={
+            "server": ServerTls(cert, key, pki["ca"]), "ca": pki["ca"], "cert": pki["client_cert"],
+            "key": pki["client_key"], "server_name": name})
+        try:
+            with cluster.client() as client:
+                result = client.generate(prompt_ids=PROMPT, max_tokens=16, num_draft_tokens=3)
+            assert result.token_ids == expected and result.stats.drafted_tokens > 0  # the draft answered too
+            # The orchestrator's process with the same settings starts; one that does
+            # not speak TLS to them, or has no client certificate, or one of another
+            # CA, is not let in: it does not start.
+            named = ["--service-tls-server-name", name] if name else []
+            ours = ["--service-tls-ca", pki["ca"], "--service-tls-cert", pki["client_cert"], "--service-tls-key",
+                    pki["client_key"], *named]
+            for flags, starts in ((ours, True), ([], False), (["--service-tls-ca", pki["ca"], *named], False),
+                                  (["--service-tls-ca", pki["ca"], "--service-tls-cert", pki["stranger_cert"],
+                                    "--service-tls-key", pki["stranger_key"], *named], False)):
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "tandem.cli", "serve", "orchestrator", "--port", "0", "--draft",
+                     cluster.draft_address, "--target", cluster.target_address, "--redis-url", REDIS_URL,
+                     "--tokenizer", char_models["draft"], "--wait", "3", "--draft-fallback", "off", *flags],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                ready = process.stdout.readline()
+                process.send_signal(signal.SIGTERM)
+                _, stderr = process.communicate(timeout=60)
+                assert ready.startswith("READY") == starts, (flags, stderr)
+                assert process.returncode == (0 if starts else 2), (flags, stderr)
+        finally:
+            cluster.stop()
+
+
+def test_service_tls_settings_that_cannot_work_are_refused():
+    from orchestrator.config import OrchestratorConfig
+
+    for settings, words in (({"service_tls_cert": "c.pem", "service_tls_key": "k.pem"}, "need --service-tls-ca"),
+                            ({"service_tls_ca": "ca.pem", "service_tls_cert": "c.pem"}, "go together"),
+                            ({"service_tls_ca": "ca.pem", "relay": True}, "--relay on")):
+        with pytest.raises(ValueError, match=words):
+            OrchestratorConfig("d:1", "t:1", **settings)
