@@ -31,7 +31,7 @@ from orchestrator.openai_response import Answer, Chunks, response
 from orchestrator.openai_responses import Responses
 from orchestrator.responses_routes import ResponsesRoutes
 from orchestrator.prefix_cache import MIN_FORK
-from tandem import serving
+from tandem import serving, telemetry
 from tandem.serving import MAX_MESSAGE_BYTES
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
@@ -94,7 +94,23 @@ class Gateway:
         tandem.request_id, its logs), and it is the suffix of the answer's id."""
         given = request.headers.get(REQUEST_ID_HEADER, "")
         request["request_id"] = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        return await handler(request)
+        started, status = time.perf_counter(), 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as err:
+            status = err.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            route = request.match_info.route.resource
+            attributes = {"method": request.method, "route": route.canonical if route is not None else "unmatched"}
+            instruments = telemetry.instruments()
+            instruments.http_requests.add(1, {**attributes, "status": status})
+            instruments.http_duration.record(time.perf_counter() - started, attributes)
 
     @staticmethod
     async def _answer_request_id(request: web.Request, response: web.StreamResponse) -> None:

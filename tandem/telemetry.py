@@ -121,6 +121,11 @@ class Instruments:
             "time between streamed chunks divided by the tokens in the later chunk"), **seconds)
         self.round_overhead = histogram("tandem.round.overhead", description=(
             "orchestrator overhead of a round: wall time less the services' compute on the critical path"), **seconds)
+        # the HTTP API (orchestrator/http_gateway.py): each request, by route and status
+        self.http_requests = counter("tandem.http.requests", "{request}",
+                                     "HTTP API requests answered, by method, route and status code")
+        self.http_duration = histogram("tandem.http.duration", description=(
+            "HTTP API request start to its answer's end (a stream's last event), by method and route"), **seconds)
         # model services: compute per call, recorded where it is measured
         self.verify_compute = histogram("tandem.verify.compute", description=(
             "target compute of a verify that prefilled at most one token"), **seconds)

@@ -727,3 +727,28 @@ def test_a_models_card_the_version_and_the_ping_probe(http):
     for method in ("GET", "POST"):
         with urllib.request.urlopen(urllib.request.Request(f"{base}/ping", method=method), timeout=30) as reply:
             assert reply.status == 200 and json.load(reply)["status"] == "ok"
+
+
+def test_http_requests_are_counted_by_route_and_status(http, recorded):
+    from tests.test_telemetry import _points
+
+    _, base, _ = http
+    _, reader = recorded
+    api = client(base)
+    api.completions.create(model="tandem-tiny", prompt="abc", max_tokens=2, temperature=0)
+    list(api.completions.create(model="tandem-tiny", prompt="abc", max_tokens=2, temperature=0, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model="tandem-tiny", prompt="abc", max_tokens=0)
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(f"{base}/v1/nothing", timeout=30)
+    api.models.retrieve("tandem-tiny")
+    points = _points(reader)
+    counted = {tuple(sorted(attributes)): point.value for attributes, point in points["tandem.http.requests"].items()}
+    assert counted == {
+        (("method", "POST"), ("route", "/v1/completions"), ("status", 200)): 2,
+        (("method", "POST"), ("route", "/v1/completions"), ("status", 400)): 1,
+        (("method", "GET"), ("route", "unmatched"), ("status", 404)): 1,
+        (("method", "GET"), ("route", "/v1/models/{model}"), ("status", 200)): 1,
+    }
+    timed = points["tandem.http.duration"][frozenset({("method", "POST"), ("route", "/v1/completions")})]
+    assert timed.count == 3 and timed.sum > 0
