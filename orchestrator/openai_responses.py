@@ -39,6 +39,7 @@ def responses_call(body, tool_parser: str | None = None, previous: list[dict] = 
     if flag(body, "background"):
         raise invalid("background", "'background' is not supported: Tandem runs a response while its request waits")
     stores(body)
+    truncation(body)
     chat = {name: body[name] for name in PASSED if name in body}
     chat["messages"] = _messages(body, previous)
     if body.get("max_output_tokens") is not None:
@@ -73,6 +74,15 @@ def stores(body: dict) -> bool:
         return True
     if not isinstance(value, bool):
         raise invalid("store", f"'store' must be true or false, not {value!r}")
+    return value
+
+
+def truncation(body: dict) -> str:
+    """`truncation`: "disabled" (OpenAI's default: a conversation past the
+    context window is a 400) or "auto" (its oldest turns are dropped)."""
+    value = body.get("truncation") or "disabled"
+    if value not in ("auto", "disabled"):
+        raise invalid("truncation", f"'truncation' must be 'auto' or 'disabled', not {value!r}")
     return value
 
 
@@ -248,6 +258,7 @@ class Responses:
     def __init__(self, body: dict, model: str, keeper=None):
         self.id, self.created, self.model = f"resp_{uuid.uuid4().hex}", int(time.time()), model
         self.store = stores(body)
+        self.truncation = truncation(body)
         self.keeper = keeper  # async (final Response) -> None: keeps it (responses_routes)
         self.echoed = {name: body.get(name) for name in ECHOED}
         self.echoed["tools"] = self.echoed["tools"] or []
@@ -261,7 +272,7 @@ class Responses:
                  incomplete: dict | None = None) -> dict:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": incomplete, "model": self.model, "output": output,
-                "usage": usage, "store": self.store, "truncation": "disabled", "background": False,
+                "usage": usage, "store": self.store, "truncation": self.truncation, "background": False,
                 **self.echoed}
 
     def whole(self, chat: dict) -> dict:

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from orchestrator.openai_params import ApiError
 from orchestrator.conversations import Conversations
-from orchestrator.openai_responses import Responses, conversation_id, previous_id, responses_call
+from orchestrator.openai_responses import Responses, conversation_id, previous_id, responses_call, truncation
 from tandem.v1 import tandem_pb2
 
 STORE_TIMEOUT_S = 10.0
@@ -124,6 +124,8 @@ class ResponsesRoutes:
             previous = previous_items(stored)
         call = responses_call(body, gateway.tool_call_parser, previous)
         added = input_items(body)
+        if truncation(body) == "auto":
+            call = await self._fitted(request, body, call, [*previous, *added])
         shape = Responses(body, await gateway.model_name())
 
         async def keep(final: dict) -> None:
@@ -137,6 +139,43 @@ class ResponsesRoutes:
 
         shape.keeper = keep
         return await gateway.answer(request, call, shape)
+
+    async def _fitted(self, request: web.Request, body: dict, call, items: list[dict]):
+        """truncation "auto": the call on the conversation less its oldest
+        turns, as few as leave room for the answer in the context window. A
+        turn is cut only where a user's message begins, so that no call's output
+        is left without its call; the last user message always stays (where even
+        that does not fit, the orchestrator's 400 says so)."""
+        gateway = self.gateway
+        info = await gateway.target_info()
+        room = info.max_context - (body.get("max_output_tokens") or info.default_max_tokens)
+
+        async def length(candidate) -> int:
+            reply = await gateway.stub.Tokenize(tandem_pb2.TokenizeRequest(messages=candidate.request.messages),
+                                                metadata=gateway.metadata(request), timeout=STORE_TIMEOUT_S)
+            return len(reply.token_ids)
+
+        if await length(call) <= room:
+            return call
+        cuts = [i for i, item in enumerate(items) if i and item.get("type") == "message" and item.get("role") == "user"]
+        calls = {}
+
+        def cut_at(i: int):
+            if i not in calls:
+                calls[i] = responses_call({**body, "input": items[i:], "previous_response_id": None,
+                                           "conversation": None}, gateway.tool_call_parser)
+            return calls[i]
+
+        low, high = 0, len(cuts) - 1  # the fewest turns dropped that fit: the first cut whose call fits
+        if not cuts or await length(cut_at(cuts[high])) > room:
+            return cut_at(cuts[-1]) if cuts else call
+        while low < high:
+            middle = (low + high) // 2
+            if await length(cut_at(cuts[middle])) <= room:
+                high = middle
+            else:
+                low = middle + 1
+        return cut_at(cuts[low])
 
     async def _stored(self, request: web.Request, response_id: str) -> str:
         """A stored response's record (`record`), or a 404."""

@@ -330,6 +330,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
             tenant_tokens_per_minute=self.config.quotas.tokens_per_minute,
             tokenizer=self._tokenizer_info(),
             fim_format=self.fim_format or "",
+            default_max_tokens=self.config.default_max_tokens,
         )
 
     @store_unavailable

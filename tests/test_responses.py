@@ -146,6 +146,7 @@ def test_a_json_schema_format_constrains_the_response_as_response_format_does(ht
     ({"input": "hi", "conversation": 5}, "conversation", "conversation's id"),
     ({"input": "hi", "background": True}, "background", "not supported"),
     ({"input": "hi", "store": "yes"}, "store", "true or false"),
+    ({"input": "hi", "truncation": "sometimes"}, "truncation", "'auto' or 'disabled'"),
     ({"input": "hi", "previous_response_id": 7}, "previous_response_id", "a string"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]", "only function tools"),
     ({"input": []}, "input", "non-empty list"),
@@ -494,3 +495,38 @@ def test_responses_at_once_in_one_conversation_lose_no_item(http, cluster):  # n
     assert sorted(asked) == sorted(questions)
     assert {i.id for i in items if i.role == "assistant"} == {a.output[0].id for a in answers}
     api.conversations.delete(conversation.id)
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_leave_no_room(http, cluster):  # noqa: F811
+    """A conversation past the context window: a 400 by default; with
+    "truncation": "auto" the answer to its latest turns that fit, which is the
+    chat completion of those turns, and one turn more would not have fitted."""
+    import urllib.request
+
+    api = client(http)
+    turns = []
+    for i in range(10):
+        turns += [{"type": "message", "role": "user", "content": f"Question {i}: " + "tell me more " * 4},
+                  {"type": "message", "role": "assistant", "content": f"Answer {i}: " + "here is more " * 4}]
+    conversation = api.conversations.create(items=turns)
+    body = dict(model="tandem-tiny", conversation=conversation.id, input="And now?", max_output_tokens=16,
+                temperature=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.responses.create(**body)
+    assert "context window" in refused.value.body["message"]
+    fitted = api.responses.create(**body, truncation="auto")
+    assert fitted.truncation == "auto" and fitted.usage.input_tokens + 16 <= 512
+    history = [{"role": t["role"], "content": t["content"]} for t in turns] + [{"role": "user", "content": "And now?"}]
+
+    def counted(messages) -> int:
+        request = urllib.request.Request(f"{http}/tokenize", data=json.dumps({"messages": messages}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.load(reply)["count"]
+
+    (kept,) = [k for k in range(0, len(history), 2) if counted(history[k:]) == fitted.usage.input_tokens]
+    assert kept > 0 and counted(history[kept - 2:]) + 16 > 512  # the fewest turns dropped
+    text, _ = _chat_text(api, history[kept:], max_tokens=16)
+    assert fitted.output_text == text
+    # The conversation keeps every turn, the new one included.
+    assert len(api.conversations.items.list(conversation.id, limit=100).data) == len(turns) + 2
