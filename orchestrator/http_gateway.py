@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (aiohttp): POST /v1/completions,
 /v1/chat/completions and /v1/responses (streamed as server-sent events with
-"stream": true), the stored responses (GET and DELETE /v1/responses/{id}, GET
-/v1/responses/{id}/input_items), GET /v1/models and /health, and vLLM's
-/tokenize, /detokenize and /tokenizer_info.
+"stream": true), the stored responses and conversations
+(orchestrator/responses_routes.py, orchestrator/conversations.py), GET
+/v1/models, /health (and /ping) and /version, and vLLM's /tokenize,
+/detokenize and /tokenizer_info.
 
 A gateway: each request becomes one Generate call of the Tandem gRPC API on
 the orchestrator it fronts, so admission, tenancy, checks, traces and errors
@@ -29,8 +30,8 @@ from orchestrator.openai_api import Call, chat_call, completion_call, detokenize
 from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import Answer, Chunks, response
 from orchestrator.openai_responses import Responses
-from orchestrator.responses_routes import ResponsesRoutes
 from orchestrator.prefix_cache import MIN_FORK
+from orchestrator.responses_routes import ResponsesRoutes
 from tandem import serving, telemetry
 from tandem.serving import MAX_MESSAGE_BYTES
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -91,7 +92,8 @@ class Gateway:
         """The request's id: the client's X-Request-Id where it gives a usable
         one, else a new one. Every answer carries it back (streams too), the
         orchestrator gets it as "x-request-id" metadata (its spans'
-        tandem.request_id, its logs), and it is the suffix of the answer's id."""
+        tandem.request_id, its logs), and it is the suffix of the answer's id.
+        And the request counted and timed (tandem.http.requests, .duration)."""
         given = request.headers.get(REQUEST_ID_HEADER, "")
         request["request_id"] = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         started, status = time.perf_counter(), 500
