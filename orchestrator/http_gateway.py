@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -49,12 +50,14 @@ class Gateway:
     `served_model_name` is the model id that /v1/models lists and requests may
     name; empty = the target model's id, as the orchestrator reports it.
     `allowed_origins`: the web origins ("https://chat.example.com", or "*")
-    whose pages' scripts may call it (CORS); none by default."""
+    whose pages' scripts may call it (CORS); none by default.
+    `reasoning_parser`: chat answers' reasoning goes out apart (reasoning_parsers)."""
 
     def __init__(self, grpc_address: str, served_model_name: str = "", tool_call_parser: str | None = None,
-                 allowed_origins: tuple[str, ...] = ()):
+                 allowed_origins: tuple[str, ...] = (), reasoning_parser: str | None = None):
         self.channel = serving.insecure_channel(grpc_address)
         self.tool_call_parser = tool_call_parser or None  # tool_choice "auto" (orchestrator.tool_parsers)
+        self.reasoning_parser = reasoning_parser or None  # chat: reasoning_content (orchestrator.reasoning_parsers)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self._model = served_model_name
         self._info: tandem_pb2.ServerInfo | None = None  # the target's facts, fixed while the orchestrator runs
@@ -168,7 +171,16 @@ class Gateway:
         return await self.answer(request, completion_call(await self.body(request)))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.answer(request, chat_call(await self.body(request), self.tool_call_parser))
+        return await self.answer(request, self.reasoned(chat_call(await self.body(request), self.tool_call_parser)))
+
+    def reasoned(self, call: Call) -> Call:
+        """A chat call whose answer's reasoning is read apart, where the server
+        has a reasoning parser and no grammar shapes the answer (a format or a
+        forced tool call constrains it from its first token: no reasoning)."""
+        if self.reasoning_parser is None or call.tool_name is not None or call.tools_required or \
+                call.request.params.HasField("structured_output"):
+            return call
+        return dataclasses.replace(call, reasoning_parser=self.reasoning_parser)
 
     async def _model_card(self) -> dict:
         name = await self.model_name()

@@ -36,6 +36,8 @@ class Call:
     # streamed with include_usage: each chunk has its choice's usage so far (vLLM's
     # stream_options.continuous_usage_stats)
     continuous_usage: bool = False
+    # chat: the answer's reasoning is read out of its text (orchestrator/reasoning_parsers.py)
+    reasoning_parser: str | None = None
 
     @property
     def most_calls(self) -> int | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.json_format import MessageToDict
 
-from orchestrator import tool_parsers
+from orchestrator import reasoning_parsers, tool_parsers
 from orchestrator.openai_api import Call
 from tandem.v1 import tandem_pb2
 
@@ -157,8 +157,13 @@ def response(call: Call, model: str, answers: list[Answer], request_id: str | No
         choice = {"index": index, "finish_reason": _finish_reason(call, answer.final),
                   "logprobs": _choice_logprobs(call, logprobs)}
         if call.chat:
+            reasoning = None
+            if call.reasoning_parser is not None:  # the content is what follows the reasoning, or None
+                reasoning, text = reasoning_parsers.split(call.reasoning_parser, text)
             content, calls = text, None
-            if call.tool_name is not None:
+            if text is None:
+                pass
+            elif call.tool_name is not None:
                 calls = _named_call(call, text)
                 content = None if calls is not None else text
             elif call.tools_required:
@@ -167,6 +172,8 @@ def response(call: Call, model: str, answers: list[Answer], request_id: str | No
                 content, calls = tool_parsers.parse(call.tool_parser, text)
                 calls = calls[:call.most_calls] if calls else calls
             choice["message"] = {"role": "assistant", "content": content}
+            if call.reasoning_parser is not None:
+                choice["message"]["reasoning_content"] = reasoning
             if calls is not None:
                 choice["message"]["tool_calls"] = calls
                 choice["finish_reason"] = _tools_finish_reason(call, choice["finish_reason"])
@@ -193,6 +200,18 @@ def _tools_finish_reason(call: Call, reason: str) -> str:
     return "tool_calls" if (call.tools_required or call.tool_parser) and reason == "stop" else reason
 
 
+@dataclass
+class _Thought:
+    """A streamed choice's answer as the reasoning parser has read it: its
+    text, the reasoning sent, the content passed on, and the token ids and
+    log probabilities not sent yet."""
+    text: str = ""
+    reasoned: int = 0
+    fed: int = 0
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+
 class Chunks:
     """The chunks of one streamed answer: for each choice (its index), deltas
     as rounds commit them, then one with its finish reason and its stats;
@@ -212,6 +231,7 @@ class Chunks:
         self._held: dict[int, tuple[list[int], list]] = {}  # token ids and log probabilities not sent yet
         self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
         self._counted = [[0, 0] for _ in range(call.choices)]  # each choice's prompt and completion tokens so far
+        self._thought: dict[int, _Thought] = {}  # with a reasoning parser: each choice's answer read so far
 
     def _chunk(self, choices: list[dict], **more) -> dict:
         if self.call.continuous_usage and choices and "usage" not in more:
@@ -298,6 +318,41 @@ class Chunks:
         if self.call.echo and delta.HasField("prompt"):
             chunks.append(self._chunk([self._choice(index, _echo_text(self.call, index, delta.prompt), [], None,
                                                     _prompt_logprobs(delta.prompt))]))
+        if self.call.reasoning_parser is not None:
+            return chunks + self._reasoned(index, delta)
+        return chunks + self._content(index, delta)
+
+    def _reasoned(self, index: int, delta: tandem_pb2.TokenDelta, final: bool = False) -> list[dict]:
+        """The delta read for reasoning first: its reasoning goes out as
+        `reasoning_content` (with the delta's token ids and log
+        probabilities), the content after it on as a delta of its own.
+        `final`: the answer is whole, nothing is held back."""
+        thought = self._thought.setdefault(index, _Thought())
+        thought.text += delta.text
+        thought.ids.extend(delta.token_ids)
+        thought.logprobs.extend(delta.logprobs)
+        read = reasoning_parsers.progress(self.call.reasoning_parser, thought.text, final)
+        chunks = []
+        if read.content_start != 0 and not read.undecided:
+            piece = thought.text[read.reasoning_start + thought.reasoned:read.reasoning_end]
+            if piece:
+                thought.reasoned += len(piece)
+                choice = self._choice(index, None, thought.ids, None, thought.logprobs or None)
+                choice["delta"]["reasoning_content"] = piece
+                chunks.append(self._chunk([choice]))
+                thought.ids, thought.logprobs = [], []
+        if read.content_start is not None:
+            content = thought.text[read.content_start:]
+            piece, thought.fed = content[thought.fed:], len(content)
+            if piece or thought.ids:
+                chunks += self._content(index, tandem_pb2.TokenDelta(text=piece, token_ids=thought.ids,
+                                                                     logprobs=thought.logprobs))
+                thought.ids, thought.logprobs = [], []
+        return chunks
+
+    def _content(self, index: int, delta: tandem_pb2.TokenDelta) -> list[dict]:
+        """The chunks of a delta of the answer's content."""
+        chunks = []
         parser = self._parser()
         if parser is not None:  # content up to a call's opening tag ("auto"), calls as they are written
             said, text = self._hold(index, delta), None
@@ -323,6 +378,9 @@ class Chunks:
         self._counted[index] = [final.usage.prompt_tokens, final.usage.completion_tokens]
         reason = _finish_reason(self.call, final)
         parser, chunks = self._parser(), []
+        if self.call.reasoning_parser is not None:  # what it held back: an end that did not begin a tag
+            chunks += self._reasoned(index, tandem_pb2.TokenDelta(), final=True)
+            self._thought.pop(index, None)
         said, sent = self._said.pop(index, ""), self._sent.pop(index, 0)
         started = len(self._calls_sent.get(index, []))
         if parser == "required":

@@ -158,6 +158,8 @@ def _add_items(messages: list[dict], items: list, param: str) -> None:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":  # an earlier answer's reasoning: not shown to the model again
+            continue
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise invalid(f"{param}[{i}].call_id", "a function_call_output's 'call_id' must be a string")
@@ -165,7 +167,7 @@ def _add_items(messages: list[dict], items: list, param: str) -> None:
                              "content": _text(f"{param}[{i}].output", item.get("output"))})
         else:
             raise invalid(f"{param}[{i}]", f"input items of type {kind!r} are not supported: give messages "
-                                           "(text), function_call and function_call_output items")
+                                           "(text), function_call, function_call_output and reasoning items")
 
 
 def _text(param: str, content) -> str:
@@ -239,6 +241,11 @@ def _logprobs(choice: dict) -> list:
     return list((choice.get("logprobs") or {}).get("content") or [])
 
 
+def _reasoning_item(text: str, status: str) -> dict:
+    return {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": status, "call_id": call_id,
             "name": name, "arguments": arguments}
@@ -281,8 +288,10 @@ class Responses:
         message = choice["message"]
         status, incomplete = _ending(choice["finish_reason"])
         calls = message.get("tool_calls") or []
-        output = [_message_item(message["content"] or "", status, _logprobs(choice))] \
-            if message.get("content") or not calls else []
+        reasoning = message.get("reasoning_content")
+        output = [_reasoning_item(reasoning, status)] if reasoning else []
+        output += [_message_item(message["content"] or "", status, _logprobs(choice))] \
+            if message.get("content") or not (calls or reasoning) else []
         output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
                    for c in calls]
         return {**self.response(status, output, _usage(chat.get("usage")), incomplete), "tandem": chat.get("tandem")}
@@ -331,6 +340,8 @@ class ResponseEvents:
         events = []
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text(delta["content"], _logprobs(choice))
             for call in delta.get("tool_calls") or []:
@@ -350,6 +361,15 @@ class ResponseEvents:
         return [*self._add(item), self._event("response.content_part.added", item_id=item["id"],
                                               output_index=len(self.output) - 1, content_index=0,
                                               part=item["content"][0])]
+
+    def _reasoning(self, text: str) -> list[dict]:
+        """Reasoning text: a reasoning item's, added with the first."""
+        events = [] if self.open and self.output[-1]["type"] == "reasoning" else self._add(_reasoning_item("", "in_progress"))
+        item = self.output[-1]
+        item["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=len(self.output) - 1,
+                                  content_index=0, delta=text))
+        return events
 
     def _text(self, text: str, logprobs: list) -> list[dict]:
         events = [] if self.open and self.output[-1]["type"] == "message" else self._add_message()
@@ -379,7 +399,10 @@ class ResponseEvents:
         self.open = False
         item, at = self.output[-1], len(self.output) - 1
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+                                  text=item["content"][0]["text"])]
+        elif item["type"] == "message":
             part = item["content"][0]
             events = [self._event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
                                   text=part["text"], logprobs=part["logprobs"]),

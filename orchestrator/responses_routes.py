@@ -26,7 +26,7 @@ from orchestrator.openai_responses import Responses, conversation_id, previous_i
 from tandem.v1 import tandem_pb2
 
 STORE_TIMEOUT_S = 10.0
-ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def record(response: dict, items: list[dict]) -> str:
@@ -122,7 +122,7 @@ class ResponsesRoutes:
                                     "is another tenant's", "invalid_request_error", "previous_response_id",
                                "previous_response_not_found") from err
             previous = previous_items(stored)
-        call = responses_call(body, gateway.tool_call_parser, previous)
+        call = gateway.reasoned(responses_call(body, gateway.tool_call_parser, previous))
         added = input_items(body)
         if truncation(body) == "auto":
             call = await self._fitted(request, body, call, [*previous, *added])
@@ -162,8 +162,8 @@ class ResponsesRoutes:
 
         def cut_at(i: int):
             if i not in calls:
-                calls[i] = responses_call({**body, "input": items[i:], "previous_response_id": None,
-                                           "conversation": None}, gateway.tool_call_parser)
+                calls[i] = gateway.reasoned(responses_call({**body, "input": items[i:], "previous_response_id": None,
+                                                            "conversation": None}, gateway.tool_call_parser))
             return calls[i]
 
         low, high = 0, len(cuts) - 1  # the fewest turns dropped that fit: the first cut whose call fits

@@ -40,7 +40,8 @@ class ResponseStore:
         return f"tandem:{tenant}:response:{check_id(response_id)}"
 
     async def put(self, tenant: str, response_id: str, body_json: str, ttl_s: int = 0) -> int:
-        """Keeps the document (replacing one of the same id); returns its time to live."""
+        """Keeps the document (replacing one of the same id), and gives its
+        items the same time to live; returns it."""
         key = self._key(tenant, response_id)
         try:
             body = json.loads(body_json)
@@ -49,7 +50,8 @@ class ResponseStore:
         if not isinstance(body, dict):
             raise ValueError("the stored response must be a JSON object")
         ttl = ttl_s or self.default_ttl_s
-        await self.redis.set(key, body_json, ex=ttl)
+        async with self.redis.pipeline(transaction=True) as pipe:  # its items (if any) live as long
+            await pipe.set(key, body_json, ex=ttl).expire(f"{key}:items", ttl).execute()
         return ttl
 
     async def get(self, tenant: str, response_id: str) -> str | None:

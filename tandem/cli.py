@@ -149,7 +149,8 @@ async def _start_http(args, grpc_port: int, public: dict):
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     dial = f"unix:{public['socket']}" if public.get("socket") else f"{host}:{grpc_port}"
-    gateway = Gateway(dial, args.served_model_name, args.tool_call_parser, tuple(args.allowed_origins or ()))
+    gateway = Gateway(dial, args.served_model_name, args.tool_call_parser, tuple(args.allowed_origins or ()),
+                      args.reasoning_parser)
     tls = public.get("tls")
     try:
         runner, port = await start(gateway, args.host, args.http_port, tls.ssl_context() if tls else None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from orchestrator import tool_parsers
+from orchestrator import reasoning_parsers, tool_parsers
 from tandem.logprobs import MAX_TOP_LOGPROBS
 
 DEFAULT_ORCHESTRATOR = "127.0.0.1:50051"
@@ -318,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--discover", default="", metavar="NAME",
                       help="take --draft and --target from the Ray deployment NAME's registry in Redis "
                            "(tandem ray up), waiting up to --wait for them (default: off)")
+    orch.add_argument("--reasoning-parser", choices=reasoning_parsers.PARSERS, default=None,
+                      help="the HTTP API's chat answers and Responses: the model's <think>...</think> text goes "
+                           "out apart, as reasoning_content (a reasoning item), as vLLM's parser of the name reads "
+                           "it (deepseek_r1: the answer starts inside the reasoning; qwen3: where it opens with "
+                           "<think>) (default: none, all of it is content)")
     orch.add_argument("--draft", default=DEFAULT_DRAFT, help="draft service address (default: %(default)s)")
     orch.add_argument("--target", default=DEFAULT_TARGET, help="target service address (default: %(default)s)")
     orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),

@@ -152,7 +152,7 @@ def test_a_json_schema_format_constrains_the_response_as_response_format_does(ht
     ({"input": []}, "input", "non-empty list"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      "images and files"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]", "not supported"),
+    ({"input": [{"type": "image_generation_call", "id": "ig_1"}]}, "input[0]", "not supported"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format", "'json_schema'"),
 ])
 def test_what_a_response_cannot_do_is_a_400_with_words(http, body, param, words):  # noqa: F811
@@ -458,8 +458,12 @@ def test_a_conversation_gathers_each_responses_input_and_output_and_answers_as_i
     assert after.id == conversation.id
     remaining = [i.id for i in api.conversations.items.list(conversation.id, order="asc").data]
     assert remaining == [items[0].id, items[1].id, items[2].id, items[4].id, added[0].id]
+    store = redis.Redis.from_url(REDIS_URL)
+    store.expire(f"tandem:default:response:{conversation.id}:items", 100)
     assert api.conversations.update(conversation.id, metadata={"topic": "rain"}).metadata == {"topic": "rain"}
     assert api.conversations.retrieve(conversation.id).metadata == {"topic": "rain"}
+    # A change of the conversation's document gives its items its time to live again.
+    assert store.ttl(f"tandem:default:response:{conversation.id}:items") > 7 * 24 * 3600 - 60
 
     # Another tenant reaches none of it; deleted, it is gone for responses too.
     other = client(http, **{"x-tandem-tenant": "globex"})
