@@ -95,15 +95,10 @@ def test_tool_calls_after_the_reasoning_stream_as_without_it(size):
 def test_a_responses_stream_has_a_reasoning_item_before_the_message():
     from orchestrator.openai_responses import Responses
 
+    from tests.test_responses import response_events
+
     call = _call("qwen3", stream_options={"include_usage": True})
-    shape = Responses({"input": "x"}, "m")
-    chunks, events = Chunks(call, "m"), shape.events()
-    out = events.start()
-    final = _final(tandem_pb2.FINISH_REASON_EOS)
-    for delta in _deltas(THINKING, 4, False):
-        out += [e for chunk in chunks.delta(0, delta) for e in events.chunk(chunk)]
-    out += [e for chunk in [*chunks.final(0, final), chunks.usage([final])] for e in events.chunk(chunk)]
-    out += events.end()
+    out = response_events(call, Responses({"input": "x"}, "m"), THINKING, 4)
     streamed = out[-1]["response"]["output"]
     assert [item["type"] for item in streamed] == ["reasoning", "message"]
     reasoning, content = reasoning_parsers.split("qwen3", THINKING)

@@ -181,24 +181,35 @@ def test_parsing_keeps_to_the_chat_translation():
     assert call.request.params.max_tokens == 5 and call.one_call and call.stream and call.include_usage
 
 
+def response_events(call, shape, text: str, size: int) -> list[dict]:
+    """A streamed chat answer of `text`, in deltas of `size` characters, as
+    the Response stream's events of `shape` (a Responses), from its first to
+    its last."""
+    from orchestrator.openai_response import Chunks
+    from tandem.v1 import tandem_pb2
+    from tests.test_openai_chunks import _deltas, _final
+
+    chunks, events = Chunks(call, "m"), shape.events()
+    out = events.start()
+    final = _final(tandem_pb2.FINISH_REASON_EOS)
+    for delta in _deltas(text, size, False):
+        out += [e for chunk in chunks.delta(0, delta) for e in events.chunk(chunk)]
+    out += [e for chunk in [*chunks.final(0, final), chunks.usage([final])] for e in events.chunk(chunk)]
+    return out + events.end()
+
+
 def test_text_then_calls_stream_as_a_message_item_then_function_call_items():
     """Without a model: hermes' answer (text, then three calls) through
     Chunks and the Response events, against the whole Response."""
-    from orchestrator.openai_response import Answer, Chunks, response
+    from orchestrator.openai_response import Answer, response
     from orchestrator.openai_responses import Responses
     from tests.test_openai_chunks import CALLS, WRITTEN, _auto, _deltas, _final
     from tandem.v1 import tandem_pb2
 
     text = dict((w[0], w[1]) for w in WRITTEN)["hermes"]
-    call = _auto("hermes", stream_options={"include_usage": True})
     shape = Responses({"input": "x"}, "m")
-    chunks, events = Chunks(call, "m"), shape.events()
-    out = events.start()
+    out = response_events(_auto("hermes", stream_options={"include_usage": True}), shape, text, 2)
     final = _final(tandem_pb2.FINISH_REASON_EOS)
-    for delta in _deltas(text, 2, False):
-        out += [e for chunk in chunks.delta(0, delta) for e in events.chunk(chunk)]
-    out += [e for chunk in [*chunks.final(0, final), chunks.usage([final])] for e in events.chunk(chunk)]
-    out += events.end()
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     streamed = out[-1]["response"]
     assert out[-1]["type"] == "response.completed" and streamed["status"] == "completed"
