@@ -1,10 +1,12 @@
-"""OpenAI's Conversations API on the HTTP gateway (/v1/conversations): a
-conversation is a stored document (its metadata) with a list of items
-(messages, function calls and their outputs), both in the orchestrator's
-Redis under the caller's tenant, living --response-ttl from their last change
-(the Tandem API's PutStoredResponse and AppendStoredItems). A Responses
-request with `"conversation": ID` answers its items and its own input, then
-adds that input and its output to it, atomically (responses_routes)."""
+"""OpenAI's Conversations API on the HTTP gateway (/v1/conversations), and
+the input items that it and the stored responses keep (`input_items`, listed
+a `page` at a time). A conversation is a stored document (its metadata) with
+a list of items (messages, function calls and their outputs), both in the
+orchestrator's Redis under the caller's tenant, living --response-ttl from
+their last change (the Tandem API's PutStoredResponse and AppendStoredItems).
+A Responses request with `"conversation": ID` answers its items and its own
+input, then adds that input and its output to it, atomically
+(responses_routes)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +23,48 @@ from tandem.v1 import tandem_pb2
 TIMEOUT_S = 10.0
 MAX_ITEMS = 20  # items a create or an add may carry at once, as OpenAI's
 MAX_METADATA = 16  # metadata pairs, as OpenAI's
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(body: dict) -> list[dict]:
+    """The request's `input` (checked by responses_call) as items to keep: each
+    with its type and an id, a message's content as parts."""
+    given = body["input"]
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        item = {"id": f"{ITEM_PREFIX[kind]}_{uuid.uuid4().hex}", **item, "type": kind}
+        if kind == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        items.append(item)
+    return items
+
+
+def page(items: list[dict], query) -> dict:
+    """A page of items as OpenAI lists them: `limit` (1-100, 20) items in
+    `order` ("desc", the default, or "asc"), after the item `after`."""
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"'limit' must be an integer in [1, 100], not {query.get('limit')!r}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"'order' must be 'asc' or 'desc', not {order!r}", param="order")
+    if order == "desc":
+        items = items[::-1]
+    if "after" in query:
+        ids = [item.get("id") for item in items]
+        if query["after"] not in ids:
+            raise ApiError(400, f"'after' names no item here: {query['after']!r}", param="after")
+        items = items[ids.index(query["after"]) + 1:]
+    shown = items[:limit]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
 
 
 def _metadata(body: dict) -> dict:
@@ -35,8 +79,6 @@ def _metadata(body: dict) -> dict:
 
 def _new_items(body: dict, required: bool) -> list[dict]:
     """The body's `items`, checked, as stored items (ids and parts)."""
-    from orchestrator.responses_routes import input_items
-
     items = body.get("items")
     if items is None and not required:
         return []
@@ -135,8 +177,6 @@ class Conversations:
         return web.json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
     async def list_items(self, request: web.Request) -> web.Response:
-        from orchestrator.responses_routes import page
-
         return web.json_response(page(await self.items(request, request.match_info["id"]), request.query))
 
     async def add_items(self, request: web.Request) -> web.Response:

@@ -15,18 +15,16 @@ its conversation."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import grpc
 from aiohttp import web
 
 from orchestrator.openai_params import ApiError
-from orchestrator.conversations import Conversations
+from orchestrator.conversations import Conversations, input_items, page
 from orchestrator.openai_responses import Responses, conversation_id, previous_id, responses_call, truncation
 from tandem.v1 import tandem_pb2
 
 STORE_TIMEOUT_S = 10.0
-ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def record(response: dict, items: list[dict]) -> str:
@@ -41,45 +39,16 @@ def previous_items(stored: str) -> list[dict]:
     return [*kept["input"], *kept["response"]["output"]]
 
 
-def input_items(body: dict) -> list[dict]:
-    """The request's `input` (checked by responses_call) as items to keep: each
-    with its type and an id, a message's content as parts."""
-    given = body["input"]
-    if isinstance(given, str):
-        given = [{"role": "user", "content": given}]
-    items = []
-    for item in given:
-        kind = item.get("type", "message")
-        item = {"id": f"{ITEM_PREFIX[kind]}_{uuid.uuid4().hex}", **item, "type": kind}
-        if kind == "message" and isinstance(item["content"], str):
-            part = "output_text" if item["role"] == "assistant" else "input_text"
-            item["content"] = [{"type": part, "text": item["content"]}]
-        items.append(item)
-    return items
-
-
-def page(items: list[dict], query) -> dict:
-    """A page of items as OpenAI lists them: `limit` (1-100, 20) items in
-    `order` ("desc", the default, or "asc"), after the item `after`."""
+async def _named_404(lookup, param: str, message: str):
+    """A lookup whose 404 names the request's parameter that asked for it
+    (`param`, with code PARAM_not_found less its "_id")."""
     try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise ApiError(400, f"'limit' must be an integer in [1, 100], not {query.get('limit')!r}", param="limit")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"'order' must be 'asc' or 'desc', not {order!r}", param="order")
-    if order == "desc":
-        items = items[::-1]
-    if "after" in query:
-        ids = [item.get("id") for item in items]
-        if query["after"] not in ids:
-            raise ApiError(400, f"'after' names no item here: {query['after']!r}", param="after")
-        items = items[ids.index(query["after"]) + 1:]
-    shown = items[:limit]
-    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
-            "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
+        return await lookup
+    except ApiError as err:
+        if err.status != 404:
+            raise
+        raise ApiError(404, message, "invalid_request_error", param,
+                       f"{param.removesuffix('_id')}_not_found") from err
 
 
 class ResponsesRoutes:
@@ -90,7 +59,8 @@ class ResponsesRoutes:
         self.conversations = Conversations(gateway)
 
     def routes(self) -> list:
-        return [*self.conversations.routes(),
+        return [
+            *self.conversations.routes(),
             web.post("/v1/responses", self.create),
             web.get("/v1/responses/{response_id}", self.retrieve),
             web.delete("/v1/responses/{response_id}", self.delete),
@@ -104,24 +74,13 @@ class ResponsesRoutes:
         previous = []
         conversation = conversation_id(body)
         if conversation is not None:
-            try:
-                previous = await self.conversations.items(request, conversation)
-            except ApiError as err:
-                if err.status != 404:
-                    raise
-                raise ApiError(404, f"the conversation {conversation!r} was not found", "invalid_request_error",
-                               "conversation", "conversation_not_found") from err
+            previous = await _named_404(self.conversations.items(request, conversation), "conversation",
+                                        f"the conversation {conversation!r} was not found")
         elif (continued := previous_id(body)) is not None:
-            try:
-                stored = await self._stored(request, continued)
-            except ApiError as err:
-                if err.status != 404:
-                    raise
-                raise ApiError(404, f"the previous response {continued!r} was not found: it was not stored "
-                                    "(\"store\": false), was deleted, expired (the orchestrator's --response-ttl) or "
-                                    "is another tenant's", "invalid_request_error", "previous_response_id",
-                               "previous_response_not_found") from err
-            previous = previous_items(stored)
+            previous = previous_items(await _named_404(
+                self._stored(request, continued), "previous_response_id",
+                f"the previous response {continued!r} was not found: it was not stored (\"store\": false), was "
+                "deleted, expired (the orchestrator's --response-ttl) or is another tenant's"))
         call = gateway.reasoned(responses_call(body, gateway.tool_call_parser, previous))
         added = input_items(body)
         if truncation(body) == "auto":

@@ -133,21 +133,23 @@ class ItemStore:
         return bool(await self._delete(keys=self._keys(tenant, response_id)[1:], args=[item_id]))
 
 
-def _gone(what: str) -> str:
-    return f"no stored document {what!r} (never stored, deleted, expired, or another tenant's)"
-
-
 class StoredRpcs:
     """The orchestrator's rpcs of stored documents and their items, for the
     caller's tenant (the servicer has `responses`, `items` and `_tenant`).
     A bad id or document is INVALID_ARGUMENT, a missing one NOT_FOUND."""
 
-    async def _on_store(self, context, method, *args):
+    async def _on_store(self, context, method, response_id: str, *args, found: bool = False):
+        """method(tenant, response_id, *args); `found`: a None answer (no such
+        document) is NOT_FOUND."""
         tenant = await self._tenant(context)
         try:
-            return await method(tenant, *args)
+            answer = await method(tenant, response_id, *args)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if found and answer is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored document {response_id!r} (never stored, "
+                                                           "deleted, expired, or another tenant's)")
+        return answer
 
     @store_unavailable
     async def PutStoredResponse(self, request, context):
@@ -157,9 +159,7 @@ class StoredRpcs:
 
     @store_unavailable
     async def GetStoredResponse(self, request, context):
-        body = await self._on_store(context, self.responses.get, request.response_id)
-        if body is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, _gone(request.response_id))
+        body = await self._on_store(context, self.responses.get, request.response_id, found=True)
         return tandem_pb2.StoredResponse(response_id=request.response_id, body_json=body)
 
     @store_unavailable
@@ -170,16 +170,12 @@ class StoredRpcs:
     @store_unavailable
     async def AppendStoredItems(self, request, context):
         length = await self._on_store(context, self.items.append, request.response_id, request.items_json,
-                                      request.ttl_seconds)
-        if length is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, _gone(request.response_id))
+                                      request.ttl_seconds, found=True)
         return tandem_pb2.StoredItemsReply(length=length)
 
     @store_unavailable
     async def GetStoredItems(self, request, context):
-        items = await self._on_store(context, self.items.get, request.response_id)
-        if items is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, _gone(request.response_id))
+        items = await self._on_store(context, self.items.get, request.response_id, found=True)
         return tandem_pb2.StoredItems(response_id=request.response_id, items_json=items)
 
     @store_unavailable

@@ -409,7 +409,8 @@ def test_stored_response_rpcs_check_what_they_keep(cluster):
 
 
 def test_kept_input_items_have_ids_types_and_parts():
-    from orchestrator.responses_routes import input_items, previous_items, record
+    from orchestrator.conversations import input_items
+    from orchestrator.responses_routes import previous_items, record
 
     items = input_items({"input": [{"role": "user", "content": "Hi"},
                                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
