@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.tool_parsers import before_tag
+
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
@@ -34,14 +36,6 @@ class Progress:
     undecided: bool = False
 
 
-def _held(text: str, tag: str) -> int:
-    """How many of the text's last characters could begin the tag."""
-    for keep in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-keep:]):
-            return keep
-    return 0
-
-
 def progress(parser: str, text: str, final: bool = False) -> Progress:
     """`final`: the answer is whole, nothing is held back."""
     head = len(text) - len(text.lstrip())
@@ -54,7 +48,7 @@ def progress(parser: str, text: str, final: bool = False) -> Progress:
     end = text.find(END, start)
     if end >= 0:
         return Progress(start, end, end + len(END))
-    return Progress(start, len(text) - (0 if final else _held(text, END)))
+    return Progress(start, len(text) if final else max(start, before_tag(text, END)))
 
 
 def split(parser: str, text: str) -> tuple[str | None, str | None]:

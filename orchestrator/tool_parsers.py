@@ -71,11 +71,11 @@ def sendable(parser: str, text: str) -> int:
     """How much of a streamed answer's text may go out as content now: none
     of the calls, nor an end of the text that could begin them."""
     if parser == "hermes":
-        return _before_tag(text, _HERMES_OPEN)
+        return before_tag(text, _HERMES_OPEN)
     if parser == "mistral":
         if _opens(text, "[", _MISTRAL_TAG):
             return 0
-        return _before_tag(text, _MISTRAL_TAG)
+        return before_tag(text, _MISTRAL_TAG)
     opener = {"llama3_json": ("{", _PYTHON_TAG), "pythonic": ("[", _PYTHON_START)}[parser]
     return 0 if _opens(text, *opener) else len(text)
 
@@ -291,7 +291,7 @@ def _skip_space(text: str, at: int) -> int:
     return at
 
 
-def _before_tag(text: str, tag: str) -> int:
+def before_tag(text: str, tag: str) -> int:
     """All of the text before the tag, less an end that could begin it."""
     start = text.find(tag)
     if start >= 0:
