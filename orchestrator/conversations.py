@@ -106,7 +106,9 @@ class Conversations:
             web.delete("/v1/conversations/{id}/items/{item}", self.delete_item),
         ]
 
-    async def _call(self, request: web.Request, rpc: str, message, what: str):
+    async def call(self, request: web.Request, rpc: str, message, what: str):
+        """One of the orchestrator's stored-document rpcs for the request's
+        caller; NOT_FOUND is a 404 that says `what` was not found."""
         try:
             return await getattr(self.gateway.stub, rpc)(message, metadata=self.gateway.metadata(request),
                                                          timeout=TIMEOUT_S)
@@ -118,7 +120,7 @@ class Conversations:
             raise ApiError.from_rpc(err) from err
 
     async def conversation(self, request: web.Request, conversation_id: str) -> dict:
-        stored = await self._call(request, "GetStoredResponse", tandem_pb2.StoredResponseRef(
+        stored = await self.call(request, "GetStoredResponse", tandem_pb2.StoredResponseRef(
             response_id=conversation_id), f"the conversation {conversation_id!r}")
         found = json.loads(stored.body_json)
         if found.get("object") != "conversation":  # a stored response's id, say
@@ -129,17 +131,17 @@ class Conversations:
     async def items(self, request: web.Request, conversation_id: str) -> list[dict]:
         """The conversation's items, in order (a 404 where there is none)."""
         await self.conversation(request, conversation_id)
-        stored = await self._call(request, "GetStoredItems", tandem_pb2.StoredResponseRef(
+        stored = await self.call(request, "GetStoredItems", tandem_pb2.StoredResponseRef(
             response_id=conversation_id), f"the conversation {conversation_id!r}")
         return [json.loads(raw) for raw in stored.items_json]
 
     async def append(self, request: web.Request, conversation_id: str, items: list[dict]) -> None:
-        await self._call(request, "AppendStoredItems", tandem_pb2.StoredItems(
+        await self.call(request, "AppendStoredItems", tandem_pb2.StoredItems(
             response_id=conversation_id, items_json=[json.dumps(i, ensure_ascii=False) for i in items]),
             f"the conversation {conversation_id!r}")
 
     async def _put(self, request: web.Request, conversation: dict) -> None:
-        await self._call(request, "PutStoredResponse", tandem_pb2.StoredResponse(
+        await self.call(request, "PutStoredResponse", tandem_pb2.StoredResponse(
             response_id=conversation["id"], body_json=json.dumps(conversation, ensure_ascii=False)),
             "the conversation")
 
@@ -172,7 +174,7 @@ class Conversations:
     async def delete(self, request: web.Request) -> web.Response:
         conversation_id = request.match_info["id"]
         await self.conversation(request, conversation_id)
-        await self._call(request, "DeleteStoredResponse", tandem_pb2.StoredResponseRef(
+        await self.call(request, "DeleteStoredResponse", tandem_pb2.StoredResponseRef(
             response_id=conversation_id), "the conversation")
         return web.json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
@@ -199,7 +201,7 @@ class Conversations:
     async def delete_item(self, request: web.Request) -> web.Response:
         """Removes an item; answers the conversation, as OpenAI does."""
         conversation = await self.conversation(request, request.match_info["id"])
-        reply = await self._call(request, "DeleteStoredItem", tandem_pb2.StoredItemRef(
+        reply = await self.call(request, "DeleteStoredItem", tandem_pb2.StoredItemRef(
             response_id=conversation["id"], item_id=request.match_info["item"]), "the conversation")
         if not reply.deleted:
             raise ApiError(404, f"the conversation has no item {request.match_info['item']!r}", "not_found_error",

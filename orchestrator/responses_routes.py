@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import json
 
-import grpc
 from aiohttp import web
 
 from orchestrator.openai_params import ApiError
-from orchestrator.conversations import Conversations, input_items, page
+from orchestrator.conversations import TIMEOUT_S, Conversations, input_items, page
 from orchestrator.openai_responses import Responses, conversation_id, previous_id, responses_call, truncation
 from tandem.v1 import tandem_pb2
 
-STORE_TIMEOUT_S = 10.0
 
 
 def record(response: dict, items: list[dict]) -> str:
@@ -90,9 +88,8 @@ class ResponsesRoutes:
         async def keep(final: dict) -> None:
             """Stored (unless "store": false), and its input and output added to its conversation."""
             if shape.store:
-                await gateway.stub.PutStoredResponse(
-                    tandem_pb2.StoredResponse(response_id=final["id"], body_json=record(final, [*previous, *added])),
-                    metadata=gateway.metadata(request), timeout=STORE_TIMEOUT_S)
+                await self.conversations.call(request, "PutStoredResponse", tandem_pb2.StoredResponse(
+                    response_id=final["id"], body_json=record(final, [*previous, *added])), "the response")
             if conversation is not None:
                 await self.conversations.append(request, conversation, [*added, *final["output"]])
 
@@ -111,7 +108,7 @@ class ResponsesRoutes:
 
         async def length(candidate) -> int:
             reply = await gateway.stub.Tokenize(tandem_pb2.TokenizeRequest(messages=candidate.request.messages),
-                                                metadata=gateway.metadata(request), timeout=STORE_TIMEOUT_S)
+                                                metadata=gateway.metadata(request), timeout=TIMEOUT_S)
             return len(reply.token_ids)
 
         if await length(call) <= room:
@@ -138,12 +135,8 @@ class ResponsesRoutes:
 
     async def _stored(self, request: web.Request, response_id: str) -> str:
         """A stored response's record (`record`), or a 404."""
-        try:
-            reply = await self.gateway.stub.GetStoredResponse(
-                tandem_pb2.StoredResponseRef(response_id=response_id), metadata=self.gateway.metadata(request),
-                timeout=STORE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            raise ApiError.from_rpc(err) from err
+        reply = await self.conversations.call(request, "GetStoredResponse", tandem_pb2.StoredResponseRef(
+            response_id=response_id), f"the stored response {response_id!r}")
         return reply.body_json
 
     async def retrieve(self, request: web.Request) -> web.Response:
@@ -156,9 +149,8 @@ class ResponsesRoutes:
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
-        reply = await self.gateway.stub.DeleteStoredResponse(
-            tandem_pb2.StoredResponseRef(response_id=response_id), metadata=self.gateway.metadata(request),
-            timeout=STORE_TIMEOUT_S)
+        reply = await self.conversations.call(request, "DeleteStoredResponse", tandem_pb2.StoredResponseRef(
+            response_id=response_id), "the stored response")
         if not reply.deleted:
             raise ApiError(404, f"no stored response {response_id!r}", "not_found_error", code="not_found")
         return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
