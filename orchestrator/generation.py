@@ -44,6 +44,7 @@ class RequestParams:
     prompt_logprobs: int | None = None  # and with it its tokens' log probabilities and the n likeliest
     min_tokens: int = 0  # no end-of-sequence token (nor stop token id) among the first min_tokens
     grammar: str = ""  # structured output: the completion follows this llguidance grammar (tandem.structured)
+    grammar_after: tuple[int, ...] = ()  # the grammar waits for these tokens (a reasoning's end: closed_in_prompt)
     include_stop: bool = False  # the text keeps the stop string that ended it (include_stop_str_in_output)
 
     def __post_init__(self):
@@ -173,9 +174,12 @@ class Generation:
         sampling = params.sampling
         if sampling.penalizes or sampling.bad_words:  # over the completion: from the first generated token on
             sampling = dataclasses.replace(sampling, penalty_start=len(record.tokens))
+        after_in_prompt = False
         if params.grammar:  # over the completion, ended by the request's end tokens once complete
+            after_in_prompt = closed_in_prompt(record.tokens, params.grammar_after, self.tokenizer)
             sampling = dataclasses.replace(sampling, grammar=params.grammar, grammar_start=len(record.tokens),
-                                           grammar_end_ids=tuple(sorted(ends)))
+                                           grammar_end_ids=tuple(sorted(ends)),
+                                           grammar_after=() if after_in_prompt else params.grammar_after)
         if params.min_tokens:  # the first generated token is at position len(record.tokens)
             sampling = dataclasses.replace(sampling, suppress_ids=tuple(sorted(ends)),
                                            suppress_before=len(record.tokens) + params.min_tokens)
@@ -220,6 +224,7 @@ class Generation:
                     event = _event_delta(keep, text, logprobs)
                     if len(completion) == len(keep):  # the first delta
                         event.delta.prompt_tokens = cached + len(turn)
+                        event.delta.after_in_prompt = after_in_prompt
                     if echoed is not None:
                         event.delta.prompt.CopyFrom(self._echo(echoed, decoder, params))
                         echoed = None
@@ -400,3 +405,16 @@ def _short_of_stop(text: str, stops) -> str:
         if any(len(stop) > len(text) - start and stop.startswith(text[start:]) for stop in stops):
             return text[:start]
     return text
+
+
+def closed_in_prompt(prompt: list[int], after: tuple[int, ...], tokenizer, most_spaces: int = 8) -> bool:
+    """Whether the prompt ends with `after` and then whitespace alone (at most
+    `most_spaces` tokens of it): a chat template that closes the reasoning
+    itself (Qwen3's with thinking off), so a grammar that waits for the
+    reasoning's end applies from the first token."""
+    if not after:
+        return False
+    end = len(prompt)
+    while end > 0 and len(prompt) - end < most_spaces and tokenizer.decode(prompt[end - 1:end]).isspace():
+        end -= 1
+    return end >= len(after) and tuple(prompt[end - len(after):end]) == tuple(after)

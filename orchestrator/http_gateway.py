@@ -27,6 +27,7 @@ import aiohttp_cors
 import grpc
 from aiohttp import web
 
+from orchestrator import reasoning_parsers
 from orchestrator.openai_api import Call, chat_call, completion_call, detokenize_request, tokenize_request
 from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import Answer, Chunks, response
@@ -43,6 +44,17 @@ REQUEST_ID_HEADER = "X-Request-Id"  # the client's, or one made up; answered, an
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on as gRPC metadata
 INFO_TIMEOUT_S = 10.0
+
+
+def reasoned(call: Call, parser: str | None) -> Call:
+    """A chat call whose answer's reasoning is read apart, where the server
+    has a reasoning parser. A grammar that shapes the answer (a format, a
+    forced tool call) waits for the reasoning's end, as vLLM's does."""
+    if parser is None:
+        return call
+    if call.request.params.HasField("structured_output"):
+        call.request.params.structured_output.after = reasoning_parsers.END
+    return dataclasses.replace(call, reasoning_parser=parser)
 
 
 class Gateway:
@@ -174,13 +186,7 @@ class Gateway:
         return await self.answer(request, self.reasoned(chat_call(await self.body(request), self.tool_call_parser)))
 
     def reasoned(self, call: Call) -> Call:
-        """A chat call whose answer's reasoning is read apart, where the server
-        has a reasoning parser and no grammar shapes the answer (a format or a
-        forced tool call constrains it from its first token: no reasoning)."""
-        if self.reasoning_parser is None or call.tool_name is not None or call.tools_required or \
-                call.request.params.HasField("structured_output"):
-            return call
-        return dataclasses.replace(call, reasoning_parser=self.reasoning_parser)
+        return reasoned(call, self.reasoning_parser)
 
     async def _model_card(self) -> dict:
         name = await self.model_name()

@@ -134,8 +134,10 @@ class Answer:
     logprobs: list = field(default_factory=list)  # TokenLogprobs, when the request asked
     final: tandem_pb2.Completion | None = None
     prompt: tandem_pb2.PromptEcho | None = None  # echo
+    after_in_prompt: bool = False  # the prompt closed the reasoning: the answer is content alone
 
     def add(self, delta: tandem_pb2.TokenDelta) -> None:
+        self.after_in_prompt |= delta.after_in_prompt
         self.text += delta.text
         self.ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
@@ -159,7 +161,7 @@ def response(call: Call, model: str, answers: list[Answer], request_id: str | No
         if call.chat:
             reasoning = None
             if call.reasoning_parser is not None:  # the content is what follows the reasoning, or None
-                reasoning, text = reasoning_parsers.split(call.reasoning_parser, text)
+                reasoning, text = reasoning_parsers.split(call.reasoning_parser, text, answer.after_in_prompt)
             content, calls = text, None
             if text is None:
                 pass
@@ -206,6 +208,7 @@ class _Thought:
     text, the reasoning sent, the content passed on, and the token ids and
     log probabilities not sent yet."""
     text: str = ""
+    closed: bool = False  # the prompt closed the reasoning (TokenDelta.after_in_prompt)
     reasoned: int = 0
     fed: int = 0
     ids: list = field(default_factory=list)
@@ -328,10 +331,11 @@ class Chunks:
         probabilities), the content after it on as a delta of its own.
         `final`: the answer is whole, nothing is held back."""
         thought = self._thought.setdefault(index, _Thought())
+        thought.closed |= delta.after_in_prompt
         thought.text += delta.text
         thought.ids.extend(delta.token_ids)
         thought.logprobs.extend(delta.logprobs)
-        read = reasoning_parsers.progress(self.call.reasoning_parser, thought.text, final)
+        read = reasoning_parsers.progress(self.call.reasoning_parser, thought.text, final, thought.closed)
         chunks = []
         if read.content_start != 0 and not read.undecided:
             piece = thought.text[read.reasoning_start + thought.reasoned:read.reasoning_end]

@@ -36,8 +36,12 @@ class Progress:
     undecided: bool = False
 
 
-def progress(parser: str, text: str, final: bool = False) -> Progress:
-    """`final`: the answer is whole, nothing is held back."""
+def progress(parser: str, text: str, final: bool = False, closed: bool = False) -> Progress:
+    """`final`: the answer is whole, nothing is held back. `closed`: the
+    prompt closed the reasoning itself (TokenDelta.after_in_prompt), so the
+    answer is content alone."""
+    if closed:
+        return Progress(content_start=0)
     head = len(text) - len(text.lstrip())
     opened = text.startswith(START, head)
     if not opened and not final and START.startswith(text[head:]):  # it may yet open: hold it all
@@ -51,9 +55,9 @@ def progress(parser: str, text: str, final: bool = False) -> Progress:
     return Progress(start, len(text) if final else max(start, before_tag(text, END)))
 
 
-def split(parser: str, text: str) -> tuple[str | None, str | None]:
+def split(parser: str, text: str, closed: bool = False) -> tuple[str | None, str | None]:
     """A whole answer as (reasoning, content); None where there is none."""
-    read = progress(parser, text, final=True)
+    read = progress(parser, text, final=True, closed=closed)
     reasoning = text[read.reasoning_start:read.reasoning_end] if read.content_start != 0 else None
     content = text[read.content_start:] if read.content_start is not None else None
     return reasoning or None, content or None

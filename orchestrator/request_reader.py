@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from orchestrator.generation import RequestParams
 from orchestrator.text import ChatTemplate
-from tandem.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIASES, SamplingParams
+from tandem.sampling import MAX_BAD_WORDS, MAX_GRAMMAR_AFTER, MAX_LOGIT_BIASES, SamplingParams
 from tandem.structured import FORMATS, build_grammar
 from tandem.v1 import common_pb2, tandem_pb2
 
@@ -42,10 +42,11 @@ class RequestReader:
         )
         if msg.stop:
             self.need_tokenizer("a stop string")
-        grammar = ""
+        grammar, grammar_after = "", ()
         if msg.HasField("structured_output"):
             self.need_tokenizer("structured output")
             grammar = self._grammar(msg.structured_output)
+            grammar_after = self._grammar_after(msg.structured_output.after)
             if not self.target.eos_token_ids and not msg.stop_token_ids:
                 raise ValueError("structured output needs an end-of-sequence token to end a complete output, "
                                  "and the model has none: give stop_token_ids")
@@ -66,6 +67,7 @@ class RequestReader:
             min_tokens=msg.min_tokens,
             stop_token_ids=frozenset(self.check_ids(list(msg.stop_token_ids), "stop_token_ids")),
             grammar=grammar,
+            grammar_after=grammar_after,
         )
 
     @staticmethod
@@ -78,6 +80,17 @@ class RequestReader:
         if kind == "choice":
             return build_grammar(kind, list(msg.choice.choices))
         return build_grammar(kind, None if kind == "json_object" else getattr(msg, kind))
+
+    def _grammar_after(self, text: str) -> tuple[int, ...]:
+        """structured_output.after as the tokenizer writes it alone (a special
+        token such as Qwen3's "</think>" is one)."""
+        if not text:
+            return ()
+        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        if not 0 < len(ids) <= MAX_GRAMMAR_AFTER:
+            raise ValueError(f"structured_output.after must be 1 to {MAX_GRAMMAR_AFTER} tokens, "
+                             f"got {len(ids)} for {text[:40]!r}")
+        return ids
 
     def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
         """Each word's token sequences, as vLLM makes them (without special

@@ -172,6 +172,9 @@ def _add_sampling_flags(p) -> None:
     fmt.add_argument("--grammar", default=None, metavar="LARK",
                      help="structured output: the completion follows this Lark grammar (llguidance's dialect; "
                           "@FILE to read it from a file)")
+    p.add_argument("--format-after", default=None, metavar="TEXT",
+                   help="structured output applies only after this text (a reasoning model's end of reasoning, "
+                        "such as '</think>'); the completion is free up to it (default: from the first token)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of each request, seconds (default: none; a server that stops answering "
@@ -214,6 +217,16 @@ def _from_file(value: str) -> str:
 
 
 def _structured_output(args) -> dict | None:
+    out = _format(args)
+    if args.format_after:
+        if out is None:
+            raise SystemExit("tandem: --format-after needs a format (--json-schema, --json-object, --regex, "
+                             "--choice or --grammar)")
+        out["after"] = args.format_after
+    return out
+
+
+def _format(args) -> dict | None:
     if args.json_schema is not None:
         return {"json_schema": _from_file(args.json_schema)}
     if args.json_object:

@@ -5,6 +5,7 @@ runs without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 # Temperatures below this decode greedily, as in vLLM: dividing float32 logits
@@ -18,6 +19,7 @@ MAX_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [
 MAX_ALLOWED_IDS = 4096  # allowed_ids a request may give (each call to both services carries them)
 MAX_BAD_WORDS = 128  # bad word token sequences a request may give
 MAX_BAD_WORD_TOKENS = 64  # and the tokens of each
+MAX_GRAMMAR_AFTER = 16  # tokens of the text a grammar waits for (grammar_after)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,10 @@ class SamplingParams:
     grammar (structured output; tandem/structured.py): an llguidance grammar
     that the tokens from absolute position grammar_start on must follow, with
     grammar_end_ids ending it once it is complete (tandem/grammar.py masks the
-    rest at -inf). On a model service, masks is its tandem.grammar.GrammarMasks
+    rest at -inf). With grammar_after (a reasoning model's end of reasoning),
+    the grammar waits for those tokens: it applies from the position after
+    their first occurrence at or after grammar_start (grammar_begins), the
+    positions before it are free. On a model service, masks is its tandem.grammar.GrammarMasks
     (tandem.wire.sampling_from_proto binds it); it is not part of the value."""
 
     temperature: float = 0.0
@@ -68,6 +73,7 @@ class SamplingParams:
     grammar: str = ""
     grammar_start: int = 0
     grammar_end_ids: tuple[int, ...] = ()
+    grammar_after: tuple[int, ...] = ()
     allowed_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
     masks: object = field(default=None, compare=False, repr=False)
@@ -94,6 +100,9 @@ class SamplingParams:
         if len(self.allowed_ids) > MAX_ALLOWED_IDS or any(token < 0 for token in self.allowed_ids):
             raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_IDS} token ids (>= 0), got "
                              f"{len(self.allowed_ids)}")
+        if len(self.grammar_after) > MAX_GRAMMAR_AFTER or any(token < 0 for token in self.grammar_after):
+            raise ValueError(f"grammar_after: at most {MAX_GRAMMAR_AFTER} token ids (>= 0), got "
+                             f"{list(self.grammar_after)[:MAX_GRAMMAR_AFTER + 1]}")
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} token sequences, got {len(self.bad_words)}")
         for word in self.bad_words:
@@ -113,6 +122,24 @@ class SamplingParams:
         """Whether a mask may leave none of the tokens a narrower draft scores
         (a grammar, allowed_ids): the draft then ends its block."""
         return bool(self.grammar or self.allowed_ids)
+
+    def grammar_begins(self, tokens: Sequence[int], before: int) -> int | None:
+        """The absolute position from which the grammar applies: grammar_start,
+        or with grammar_after the position after its first occurrence among
+        tokens[grammar_start: before]; None where it has not come whole there."""
+        if not self.grammar_after:
+            return self.grammar_start
+        after, n = list(self.grammar_after), len(self.grammar_after)
+        start, stop = self.grammar_start, min(before, len(tokens)) - n + 1
+        while start < stop:
+            try:
+                found = tokens.index(after[0], start, stop)
+            except ValueError:
+                return None
+            if list(tokens[found:found + n]) == after:
+                return found + n
+            start = found + 1
+        return None
 
     @property
     def penalizes(self) -> bool:

@@ -32,6 +32,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, masks=None) -> SamplingP
         grammar=msg.grammar,
         grammar_start=msg.grammar_start,
         grammar_end_ids=tuple(msg.grammar_end_ids),
+        grammar_after=tuple(msg.grammar_after),
         masks=masks if msg.grammar else None,
         allowed_ids=tuple(msg.allowed_tokens),
         bad_words=tuple(tuple(word.ids) for word in msg.bad_words),
@@ -46,5 +47,6 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty, penalty_start=params.penalty_start,
         repetition_penalty=params.repetition_penalty, min_p=params.min_p,
         grammar=params.grammar, grammar_start=params.grammar_start, grammar_end_ids=params.grammar_end_ids,
+        grammar_after=params.grammar_after,
         allowed_tokens=params.allowed_ids, bad_words=[common_pb2.TokenSequence(ids=word) for word in params.bad_words],
     )

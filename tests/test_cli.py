@@ -84,3 +84,8 @@ def test_structured_output_flags_become_one_format(tmp_path):
         "structured_output")
     with pytest.raises(SystemExit):  # one format at a time
         build_parser().parse_args(["generate", "x", "--regex", "a", "--choice", "b"])
+    after = params_message(**_sampling_kwargs(build_parser().parse_args(
+        ["generate", "x", "--json-object", "--format-after", "</think>"]))).structured_output
+    assert after.json_object and after.after == "</think>"
+    with pytest.raises(SystemExit, match="needs a format"):
+        _sampling_kwargs(build_parser().parse_args(["generate", "x", "--format-after", "</think>"]))

@@ -4,6 +4,7 @@ item), the rest as content; streamed pieces put together equal the whole
 answer's, every token id goes out once, and no tag goes out at all. Without a
 model (the parsing is logic), then end to end with the tiny pair."""
 import dataclasses
+import json
 
 import pytest
 
@@ -92,6 +93,32 @@ def test_tool_calls_after_the_reasoning_stream_as_without_it(size):
     assert _named(whole["message"]["tool_calls"]) == CALLS and whole["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("size", [1, 4])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_calls_come_after_the_reasoning_and_set_its_grammar_waiting(choice, size):
+    """tool_choice "required" or a named function: the call's grammar waits for
+    the reasoning's end (structured_output.after), and the calls are read from
+    the content that follows it, whole or streamed."""
+    from orchestrator.http_gateway import reasoned
+    from tests.test_openai_chunks import LISTED
+
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    call = reasoned(chat_call({"messages": ASK, "stream": True, "tools": [WEATHER, CLOCK],
+                               "tool_choice": tool_choice}), "deepseek_r1")
+    assert call.reasoning_parser == "deepseek_r1"
+    assert call.request.params.structured_output.after == "</think>"
+    said = LISTED if choice == "required" else '{"city": "Oslo"}'
+    text = "I need the tools.</think>" + said
+    expected = CALLS if choice == "required" else [("get_weather", {"city": "Oslo"})]
+    chunks = _stream(call, text, size)
+    assert _named(_assembled(chunks)) == expected
+    assert "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks) == "I need the tools."
+    assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    whole = _whole(dataclasses.replace(call, stream=False), text)
+    assert whole["message"]["reasoning_content"] == "I need the tools."
+    assert _named(whole["message"]["tool_calls"]) == expected
+
+
 def test_a_responses_stream_has_a_reasoning_item_before_the_message():
     from orchestrator.openai_responses import Responses
 
@@ -131,6 +158,144 @@ def test_reasoning_items_of_an_earlier_answer_are_not_shown_to_the_model_again()
         ("user", "Hi"), ("assistant", "Hello."), ("user", "Bye")]
 
 
+# --- a grammar that waits for the reasoning's end -------------------------------------------
+
+def test_the_grammar_begins_after_the_first_whole_occurrence_from_grammar_start():
+    from tandem.sampling import SamplingParams
+
+    def begins(after, tokens, start=2, before=None):
+        params = SamplingParams(grammar="g", grammar_start=start, grammar_after=after)
+        return params.grammar_begins(tokens, len(tokens) if before is None else before)
+
+    assert begins((), [5, 6, 7]) == 2
+    assert begins((9,), [9, 0, 1, 9, 4]) == 4  # the 9 before grammar_start does not count
+    assert begins((7, 8), [7, 8, 7, 1, 7, 8, 7, 8]) == 6  # the first whole one: a lone 7 is not it
+    assert begins((7, 8), [0, 0, 7, 8, 5], before=3) is None  # only the tokens before `before` are known
+    assert begins((7, 8), [0, 0, 7, 8, 5], before=4) == 4
+    assert begins((7, 8), [0, 0, 1, 7]) is None
+    with pytest.raises(ValueError, match="grammar_after"):
+        SamplingParams(grammar_after=tuple(range(17)))
+
+
+def test_rows_before_the_grammar_begins_are_free_and_those_after_masked_from_there(models):  # noqa: F811
+    """adjust_logits over a block in which the reasoning's end comes: the rows
+    up to it equal the logits, the rows after it are masked as a grammar
+    starting right after it masks them."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tandem.distributions import adjust_logits
+    from tandem.grammar import GrammarMasks
+    from tandem.sampling import SamplingParams
+    from tandem.structured import build_grammar
+
+    tokenizer = AutoTokenizer.from_pretrained(models["target"])
+    masks = GrammarMasks(tokenizer, 128)
+    grammar = build_grammar("regex", r"[0-9]{2}")
+    after = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    assert len(after) == 8  # one token a character
+    prompt = tokenizer.encode("Q: ")
+    completion = tokenizer.encode("hm</think>4")
+    tokens = prompt + completion
+    params = SamplingParams(grammar=grammar, grammar_start=len(prompt), grammar_end_ids=(3,), grammar_after=after,
+                            masks=masks)
+    logits = torch.randn(len(completion) + 1, 128, generator=torch.Generator().manual_seed(3))
+    out = adjust_logits(logits, params, len(prompt), tokens)
+    begins = len(prompt) + len("hm</think>")
+    free = begins - len(prompt)
+    assert torch.equal(out[:free], logits[:free])
+    plain = dataclasses.replace(params, grammar_after=(), grammar_start=begins)
+    assert torch.equal(out[free:], adjust_logits(logits[free:], plain, begins, tokens))
+    assert torch.isinf(out[free:]).any(dim=-1).all()  # the digits alone, then the end
+    # A block before the end has come: nothing masked; one after it: as the plain grammar.
+    assert torch.equal(adjust_logits(logits[:3], params, len(prompt), tokens), logits[:3])
+    assert torch.equal(adjust_logits(logits[:2], params, begins, tokens), adjust_logits(logits[:2], plain, begins, tokens))
+
+
+def test_a_prompt_that_closes_the_reasoning_itself_leaves_the_grammar_nothing_to_wait_for(models):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from orchestrator.generation import closed_in_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(models["target"])
+    after = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    for text, closed in [("a: <think>\n\n</think>\n\n", True), ("a: </think>", True), ("a: </think> x", False),
+                         ("a: <think>", False), ("", False)]:
+        assert closed_in_prompt(tokenizer.encode(text), after, tokenizer) is closed, text
+    assert closed_in_prompt(list(after) + [ord(" ")] * 8, after, tokenizer)
+    assert not closed_in_prompt(list(after) + [ord(" ")] * 9, after, tokenizer)  # at most 8 tokens of whitespace
+    assert not closed_in_prompt(tokenizer.encode("a: </think>"), (), tokenizer)
+
+
+def _after_reference(model_dir: str, prompt: str, grammar: str, after: list[int], n: int) -> list[int]:
+    """Hugging Face generate(do_sample=False) on the target alone, under the
+    grammar from the token after the first whole `after` in the completion."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    from tests.test_structured import EOS, Grammar
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode(prompt)])
+
+    class AfterGrammar(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            completion = input_ids[0, ids.shape[1]:].tolist()
+            found = next((i for i in range(len(completion) - len(after) + 1)
+                          if completion[i:i + len(after)] == after), None)
+            if found is None:
+                return scores
+            return Grammar(grammar, tokenizer, ids.shape[1] + found + len(after))(input_ids, scores)
+
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, eos_token_id=EOS, logits_processor=LogitsProcessorList([AfterGrammar()]))
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_greedy_under_a_grammar_that_waits_equals_the_target_alone_under_it(cluster, models, pipeline):  # noqa: F811
+    """structured_output.after: the completion is the target alone's, free up
+    to the first whole `after`, then under the grammar. The random pair never
+    writes "</think>", so `after` is two characters that its free answer does
+    write; the grammar then takes over from there."""
+    from transformers import AutoTokenizer
+
+    from tandem.structured import build_grammar
+    from tests.conftest import reference_greedy
+    from tests.test_structured import EOS, FORMATS, structured
+
+    prompt, n = "A: ", 40
+    free = reference_greedy(models["target"], AutoTokenizer.from_pretrained(models["target"]).encode(prompt), n)
+    at = next(i for i in range(1, n - 12) if all(32 < t < 127 and t != ord("?") for t in free[i:i + 2]))
+    after = free[at:at + 2]
+    with cluster.client() as client:
+        for name in ("regex", "json_schema"):
+            kind, spec = FORMATS[name]
+            expected = _after_reference(models["target"], prompt, build_grammar(kind, spec), after, n)
+            found = next(i for i in range(n) if expected[i:i + 2] == after)
+            assert expected[:found + 2] == free[:found + 2] and expected[found + 2:] != free[found + 2:]
+            request = structured(kind, spec)
+            request["structured_output"]["after"] = "".join(map(chr, after))
+            result = client.generate(prompt, max_tokens=n, pipeline=pipeline, num_draft_tokens=3, **request)
+            assert result.token_ids == expected
+            if expected[-1] == EOS:
+                assert result.finish_reason == "eos"
+
+
+def test_after_text_past_sixteen_tokens_is_invalid(cluster):  # noqa: F811
+    import grpc
+
+    from tests.test_structured import structured
+
+    request = structured("regex", "[0-9]+")
+    request["structured_output"]["after"] = "x" * 17
+    with cluster.client() as client, pytest.raises(grpc.RpcError) as err:
+        client.generate("A: ", max_tokens=4, **request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "after" in err.value.details()
+
+
 # --- end to end -----------------------------------------------------------------------------
 
 def test_the_reasoning_parser_reshapes_what_the_target_alone_says(cluster):  # noqa: F811
@@ -162,11 +327,30 @@ def test_the_reasoning_parser_reshapes_what_the_target_alone_says(cluster):  # n
             assert kinds == (["reasoning"] if parser == "deepseek_r1" else ["message"])
             if parser == "deepseek_r1":
                 assert answer.output[0].content[0].text == said
+            # A format waits for the reasoning's end, which this pair never writes: the answer is
+            # the target alone's, free, read as above.
             formatted = api.chat.completions.create(
-                model="tandem-tiny", messages=ASKED, max_tokens=40, temperature=0,
+                model="tandem-tiny", messages=ASKED, max_tokens=30, temperature=0,
                 response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
-            assert formatted.choices[0].message.content.startswith("{")
-            assert "reasoning_content" not in formatted.choices[0].message.model_dump() or \
-                formatted.choices[0].message.model_dump()["reasoning_content"] is None
+            message = formatted.choices[0].message.model_dump()
+            assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+            # Where the prompt closes the reasoning itself (Qwen3's template with thinking off), the
+            # format applies from the first token: the content is its JSON.
+            closed = api.chat.completions.create(
+                model="tandem-tiny", max_tokens=60, temperature=0,
+                messages=ASKED + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
+                extra_body={"continue_final_message": True, "add_generation_prompt": False},
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+            message = closed.choices[0].message.model_dump()
+            assert message["content"].startswith("{") and not message["reasoning_content"]
+            deltas = [c.choices[0].delta.model_dump() for c in api.chat.completions.create(
+                model="tandem-tiny", max_tokens=60, temperature=0, stream=True,
+                messages=ASKED + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
+                extra_body={"continue_final_message": True, "add_generation_prompt": False},
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}) if c.choices]
+            assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+            assert not any(d.get("reasoning_content") for d in deltas)
+            if closed.choices[0].finish_reason == "stop":
+                assert set(json.loads(message["content"])) == {"id", "ok", "tag"}
         finally:
             stop()
