@@ -408,13 +408,13 @@ def _short_of_stop(text: str, stops) -> str:
 
 
 def closed_in_prompt(prompt: list[int], after: tuple[int, ...], tokenizer, most_spaces: int = 8) -> bool:
-    """Whether the prompt ends with `after` and then whitespace alone (at most
-    `most_spaces` tokens of it): a chat template that closes the reasoning
-    itself (Qwen3's with thinking off), so a grammar that waits for the
-    reasoning's end applies from the first token."""
+    """Whether the prompt's text ends with `after`'s and then whitespace alone
+    (in its last len(after) + `most_spaces` tokens): a chat template that
+    closes the reasoning itself (Qwen3's with thinking off), so a grammar that
+    waits for the reasoning's end applies from the first token. By text, not
+    by tokens: a template's text may merge the tag's last characters with what
+    follows ("</think>\n" as "</", "think", ">\n")."""
     if not after:
         return False
-    end = len(prompt)
-    while end > 0 and len(prompt) - end < most_spaces and tokenizer.decode(prompt[end - 1:end]).isspace():
-        end -= 1
-    return end >= len(after) and tuple(prompt[end - len(after):end]) == tuple(after)
+    tail = tokenizer.decode(prompt[-(len(after) + most_spaces):])
+    return tail.rstrip().endswith(tokenizer.decode(list(after)))

@@ -60,7 +60,8 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, first_position: 
     if params.grammar:
         if params.masks is None:
             raise RuntimeError("a grammar's masks need the service's GrammarMasks (tandem.wire.sampling_from_proto)")
-        begins = params.grammar_begins(tokens, first_position + out.shape[0] - 1)
+        begins = params.masks.begins(params.grammar_after, params.grammar_start, tokens,
+                                     first_position + out.shape[0] - 1)
         free = out.shape[0] if begins is None else min(max(begins - first_position, 0), out.shape[0])
         if free < out.shape[0]:  # the rows before the grammar begins are free (grammar_after)
             apply_masks(out[free:], params.masks.mask_rows(params.grammar, params.grammar_end_ids, begins,

@@ -180,6 +180,30 @@ class GrammarMasks:
         compiled.matchers.append(best)  # most recently used last
         return best
 
+    def begins(self, after: Sequence[int], start: int, tokens: Sequence[int], before: int) -> int | None:
+        """The absolute position from which a grammar that waits for `after`'s
+        text (a reasoning's end) applies: after the token in which that text
+        first ends among tokens[start: before]; None where it does not come
+        there; `start` itself without `after`. By text, not by token ids: a
+        model may write "</think>" in other tokens than the tag alone takes
+        (" </", "think", ">"). Where its last token holds more text (">\n\n"),
+        the grammar begins after all of it."""
+        if not after:
+            return start
+        lltokenizer = self._lltokenizer()
+        wanted = lltokenizer.decode_bytes(list(after))
+        span = list(tokens[start:before])
+        if wanted not in lltokenizer.decode_bytes(span):
+            return None
+        low, high = 1, len(span)  # the fewest tokens whose text holds it
+        while low < high:
+            mid = (low + high) // 2
+            if wanted in lltokenizer.decode_bytes(span[:mid]):
+                high = mid
+            else:
+                low = mid + 1
+        return start + low
+
     def mask_rows(self, grammar: str, end_ids: Sequence[int], start: int, first_position: int, rows: int,
                   tokens: Sequence[int]) -> list[np.ndarray | None]:
         """For row i at absolute position first_position + i: the [vocab] bool

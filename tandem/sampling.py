@@ -5,7 +5,6 @@ runs without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 # Temperatures below this decode greedily, as in vLLM: dividing float32 logits
@@ -53,9 +52,9 @@ class SamplingParams:
     that the tokens from absolute position grammar_start on must follow, with
     grammar_end_ids ending it once it is complete (tandem/grammar.py masks the
     rest at -inf). With grammar_after (a reasoning model's end of reasoning),
-    the grammar waits for those tokens: it applies from the position after
-    their first occurrence at or after grammar_start (grammar_begins), the
-    positions before it are free. On a model service, masks is its tandem.grammar.GrammarMasks
+    the grammar waits for their text: it applies from the position after the
+    token in which that text first ends, counting from grammar_start
+    (tandem.grammar.GrammarMasks.begins); the positions before are free. On a model service, masks is its tandem.grammar.GrammarMasks
     (tandem.wire.sampling_from_proto binds it); it is not part of the value."""
 
     temperature: float = 0.0
@@ -122,24 +121,6 @@ class SamplingParams:
         """Whether a mask may leave none of the tokens a narrower draft scores
         (a grammar, allowed_ids): the draft then ends its block."""
         return bool(self.grammar or self.allowed_ids)
-
-    def grammar_begins(self, tokens: Sequence[int], before: int) -> int | None:
-        """The absolute position from which the grammar applies: grammar_start,
-        or with grammar_after the position after its first occurrence among
-        tokens[grammar_start: before]; None where it has not come whole there."""
-        if not self.grammar_after:
-            return self.grammar_start
-        after, n = list(self.grammar_after), len(self.grammar_after)
-        start, stop = self.grammar_start, min(before, len(tokens)) - n + 1
-        while start < stop:
-            try:
-                found = tokens.index(after[0], start, stop)
-            except ValueError:
-                return None
-            if list(tokens[found:found + n]) == after:
-                return found + n
-            start = found + 1
-        return None
 
     @property
     def penalizes(self) -> bool:

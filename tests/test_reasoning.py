@@ -160,19 +160,24 @@ def test_reasoning_items_of_an_earlier_answer_are_not_shown_to_the_model_again()
 
 # --- a grammar that waits for the reasoning's end -------------------------------------------
 
-def test_the_grammar_begins_after_the_first_whole_occurrence_from_grammar_start():
+def test_the_grammar_begins_after_the_token_that_ends_the_first_occurrence_of_the_text(models):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from tandem.grammar import GrammarMasks
     from tandem.sampling import SamplingParams
 
-    def begins(after, tokens, start=2, before=None):
-        params = SamplingParams(grammar="g", grammar_start=start, grammar_after=after)
-        return params.grammar_begins(tokens, len(tokens) if before is None else before)
+    masks = GrammarMasks(AutoTokenizer.from_pretrained(models["target"]), 128)
 
-    assert begins((), [5, 6, 7]) == 2
-    assert begins((9,), [9, 0, 1, 9, 4]) == 4  # the 9 before grammar_start does not count
-    assert begins((7, 8), [7, 8, 7, 1, 7, 8, 7, 8]) == 6  # the first whole one: a lone 7 is not it
-    assert begins((7, 8), [0, 0, 7, 8, 5], before=3) is None  # only the tokens before `before` are known
-    assert begins((7, 8), [0, 0, 7, 8, 5], before=4) == 4
-    assert begins((7, 8), [0, 0, 1, 7]) is None
+    def begins(after: str, text: str, start: int = 2, before: int | None = None):
+        tokens = [ord(c) for c in text]
+        return masks.begins([ord(c) for c in after], start, tokens, len(tokens) if before is None else before)
+
+    assert begins("", "abc") == 2
+    assert begins("9", "9019x") == 4  # the 9 before grammar_start does not count
+    assert begins("78", "787178787") == 6  # the first whole one: a lone 7 is not it
+    assert begins("78", "00785", before=3) is None  # only the tokens before `before` are known
+    assert begins("78", "00785", before=4) == 4
+    assert begins("78", "0017") is None
     with pytest.raises(ValueError, match="grammar_after"):
         SamplingParams(grammar_after=tuple(range(17)))
 
@@ -225,6 +230,30 @@ def test_a_prompt_that_closes_the_reasoning_itself_leaves_the_grammar_nothing_to
     assert closed_in_prompt(list(after) + [ord(" ")] * 8, after, tokenizer)
     assert not closed_in_prompt(list(after) + [ord(" ")] * 9, after, tokenizer)  # at most 8 tokens of whitespace
     assert not closed_in_prompt(tokenizer.encode("a: </think>"), (), tokenizer)
+
+
+@pytest.mark.slow  # the default pair's tokenizer
+def test_a_prompt_closes_the_reasoning_by_its_text_whatever_tokens_write_it():
+    """A BPE tokenizer merges the tag's end with what follows in a template's
+    text (Qwen2.5's writes ".</think>\n" as ".</", "think", ">\n"): the text decides."""
+    from transformers import AutoTokenizer
+
+    from orchestrator.generation import closed_in_prompt
+    from tandem.default_models import resolve_model
+    from tandem.grammar import GrammarMasks
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("default-draft", progress=False))
+    after = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    prompt = tokenizer.encode("<|im_start|>assistant\nParis.</think>\n")
+    assert tuple(prompt[-len(after):]) != after  # the tokens do not show it
+    assert closed_in_prompt(prompt, after, tokenizer)
+    assert not closed_in_prompt(tokenizer.encode("<|im_start|>assistant\n</think> Paris."), after, tokenizer)
+    # In a completion, the grammar begins after the token that ends the text, whatever tokens wrote it.
+    masks = GrammarMasks(tokenizer, 151936)
+    written = tokenizer.encode(" it is.</think>\n\n{", add_special_tokens=False)
+    assert [tokenizer.decode([t]) for t in written] == [" it", " is", ".</", "think", ">\n\n", "{"]
+    assert masks.begins(after, 3, [0, 1, 2] + written, 9) == 3 + 5
+    assert masks.begins(after, 3, [0, 1, 2] + written, 7) is None
 
 
 def _after_reference(model_dir: str, prompt: str, grammar: str, after: list[int], n: int) -> list[int]:
