@@ -311,6 +311,11 @@ def test_greedy_under_a_grammar_that_waits_equals_the_target_alone_under_it(clus
             assert result.token_ids == expected
             if expected[-1] == EOS:
                 assert result.finish_reason == "eos"
+            # Sampled with a seed: the same tokens pipelined and not.
+            if pipeline:
+                sampled = [client.generate(prompt, max_tokens=n, pipeline=p, temperature=0.8, seed=7, **request).token_ids
+                           for p in (True, False)]
+                assert sampled[0] == sampled[1]
 
 
 def test_after_text_past_sixteen_tokens_is_invalid(cluster):  # noqa: F811
