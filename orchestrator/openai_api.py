@@ -152,9 +152,14 @@ def _content(i: int, content) -> str:
     raise invalid(f"messages[{i}].content", "a message's 'content' must be a string or a list of text parts")
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
 def _template_options(body: dict, messages: tandem_pb2.ChatMessages) -> None:
     """vLLM's chat template options: continue_final_message (with
-    add_generation_prompt false, as vLLM asks) and chat_template_kwargs."""
+    add_generation_prompt false, as vLLM asks) and chat_template_kwargs;
+    OpenAI's reasoning_effort, one of the template's variables (a
+    chat_template_kwargs of the same name wins)."""
     continues = flag(body, "continue_final_message")
     adds = body.get("add_generation_prompt")
     if adds is not None and not isinstance(adds, bool):
@@ -168,10 +173,16 @@ def _template_options(body: dict, messages: tandem_pb2.ChatMessages) -> None:
                                                "message)")
     messages.continue_final_message = continues
     variables = body.get("chat_template_kwargs")
+    if variables is not None and not isinstance(variables, dict):
+        raise invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object of the chat "
+                                              "template's variables")
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # the template's variable of that name, as vLLM passes it (gpt-oss's reads it)
+        if effort not in REASONING_EFFORTS:
+            raise invalid("reasoning_effort", f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, "
+                                              f"not {effort!r}")
+        variables = {"reasoning_effort": effort, **(variables or {})}
     if variables is not None:
-        if not isinstance(variables, dict):
-            raise invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object of the chat "
-                                                  "template's variables")
         messages.chat_template_kwargs_json = json.dumps(variables)
 
 

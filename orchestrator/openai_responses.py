@@ -25,7 +25,7 @@ REFUSED = {
 LOGPROBS = "message.output_text.logprobs"  # `include`: each output token's log probability
 # Echoed in the Response as the request gave them.
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "top_p",
-          "tool_choice", "tools", "text", "user", "top_logprobs", "previous_response_id")
+          "tool_choice", "tools", "text", "user", "top_logprobs", "previous_response_id", "reasoning")
 
 
 def responses_call(body, tool_parser: str | None = None, previous: list[dict] = ()) -> Call:
@@ -56,6 +56,12 @@ def responses_call(body, tool_parser: str | None = None, previous: list[dict] = 
             raise invalid("text", "'text' must be an object, as {\"format\": {\"type\": \"json_schema\", ...}}")
         if text.get("format") is not None:
             chat["response_format"] = _format(text["format"])
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise invalid("reasoning", "'reasoning' must be an object, as {\"effort\": \"low\"}")
+        if reasoning.get("effort") is not None:  # the chat template's variable (openai_api._template_options)
+            chat["reasoning_effort"] = reasoning["effort"]
     include = body.get("include") or []
     if not isinstance(include, list):
         raise invalid("include", "'include' must be a list")
@@ -272,6 +278,7 @@ class Responses:
         self.echoed["tool_choice"] = self.echoed["tool_choice"] or "auto"
         self.echoed["parallel_tool_calls"] = self.echoed["parallel_tool_calls"] is not False
         self.echoed["text"] = self.echoed["text"] or {"format": {"type": "text"}}
+        self.echoed["reasoning"] = self.echoed["reasoning"] or {"effort": None, "summary": None}
         conversation = conversation_id(body)
         self.echoed["conversation"] = {"id": conversation} if conversation else None
 

@@ -30,6 +30,8 @@ import llguidance
 import numpy as np
 import torch
 
+from tandem.grammar_after import AfterText, common_prefix
+
 log = logging.getLogger(__name__)
 
 MAX_GRAMMARS = 64  # compiled grammars kept, least recently used dropped
@@ -68,22 +70,6 @@ class _TokenBytes:
         return self._hf.encode(text, add_special_tokens=False)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two lists share, by slice comparisons (in C):
-    the common case, one a prefix of the other, in one of them."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n - 1  # a[:low] == b[:low], a[:high + 1] != b[:high + 1]
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[low:mid] == b[low:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
 class GrammarMasks:
     """A service's grammars: compiled against its tokenizer (built on first use:
     about 3 s for the default pair's 151,936-token vocabulary) at the width of
@@ -97,6 +83,7 @@ class GrammarMasks:
         self._lock = threading.Lock()  # the grammars and their matchers
         self._tokenizer_lock = threading.Lock()  # its build, which takes seconds
         self._own_end = -1
+        self._after: AfterText | None = None  # where grammars that wait for a text begin
 
     def _lltokenizer(self):
         with self._tokenizer_lock:
@@ -157,7 +144,7 @@ class GrammarMasks:
         does not allow it."""
         best, best_cost = None, len(prefix) + FRESH_COST
         for held in compiled.matchers:
-            common = _common_prefix(held.consumed, prefix)
+            common = common_prefix(held.consumed, prefix)
             cost = (len(held.consumed) - common) + (len(prefix) - common)
             if cost < best_cost:
                 best, best_cost = held, cost
@@ -169,7 +156,7 @@ class GrammarMasks:
             best = _Matcher(compiled.template.deep_copy())
         else:
             compiled.matchers.remove(best)
-        common = _common_prefix(best.consumed, prefix)
+        common = common_prefix(best.consumed, prefix)
         if common < len(best.consumed):
             best.matcher.rollback(len(best.consumed) - common)
             del best.consumed[common:]
@@ -182,27 +169,14 @@ class GrammarMasks:
 
     def begins(self, after: Sequence[int], start: int, tokens: Sequence[int], before: int) -> int | None:
         """The absolute position from which a grammar that waits for `after`'s
-        text (a reasoning's end) applies: after the token in which that text
-        first ends among tokens[start: before]; None where it does not come
-        there; `start` itself without `after`. By text, not by token ids: a
-        model may write "</think>" in other tokens than the tag alone takes
-        (" </", "think", ">"). Where its last token holds more text (">\n\n"),
-        the grammar begins after all of it."""
+        text applies (tandem.grammar_after.AfterText.begins)."""
         if not after:
             return start
-        lltokenizer = self._lltokenizer()
-        wanted = lltokenizer.decode_bytes(list(after))
-        span = list(tokens[start:before])
-        if wanted not in lltokenizer.decode_bytes(span):
-            return None
-        low, high = 1, len(span)  # the fewest tokens whose text holds it
-        while low < high:
-            mid = (low + high) // 2
-            if wanted in lltokenizer.decode_bytes(span[:mid]):
-                high = mid
-            else:
-                low = mid + 1
-        return start + low
+        decode = self._lltokenizer().decode_bytes
+        with self._lock:
+            if self._after is None:
+                self._after = AfterText(decode)
+            return self._after.begins(after, start, tokens, before)
 
     def mask_rows(self, grammar: str, end_ids: Sequence[int], start: int, first_position: int, rows: int,
                   tokens: Sequence[int]) -> list[np.ndarray | None]:

@@ -147,6 +147,35 @@ def _answer(text):
     return answer
 
 
+def test_reasoning_effort_is_the_chat_templates_variable_of_that_name():
+    """OpenAI's reasoning_effort (a Response's reasoning.effort) reaches the
+    chat template as vLLM passes it, unless chat_template_kwargs sets it too."""
+    import json
+
+    from orchestrator.openai_params import ApiError
+    from orchestrator.openai_responses import Responses, responses_call
+
+    def variables(call):
+        return json.loads(call.request.messages.chat_template_kwargs_json or "null")
+
+    assert variables(chat_call({"messages": ASK, "reasoning_effort": "low"})) == {"reasoning_effort": "low"}
+    assert variables(chat_call({"messages": ASK, "reasoning_effort": "low",
+                                "chat_template_kwargs": {"reasoning_effort": "high", "x": 1}})) == {
+        "reasoning_effort": "high", "x": 1}
+    assert variables(chat_call({"messages": ASK})) is None
+    with pytest.raises(ApiError) as refused:
+        chat_call({"messages": ASK, "reasoning_effort": "extreme"})
+    assert refused.value.param == "reasoning_effort" and "one of none, minimal, low, medium, high" in \
+        refused.value.message
+    body = {"input": "hi", "reasoning": {"effort": "minimal", "summary": "auto"}}
+    assert variables(responses_call(body)) == {"reasoning_effort": "minimal"}
+    assert Responses(body, "m").echoed["reasoning"] == {"effort": "minimal", "summary": "auto"}
+    assert Responses({"input": "hi"}, "m").echoed["reasoning"] == {"effort": None, "summary": None}
+    with pytest.raises(ApiError) as refused:
+        responses_call({"input": "hi", "reasoning": "low"})
+    assert refused.value.param == "reasoning"
+
+
 def test_reasoning_items_of_an_earlier_answer_are_not_shown_to_the_model_again():
     from orchestrator.openai_responses import responses_call
 

@@ -157,7 +157,7 @@ def test_masks_are_a_function_of_the_tokens_whatever_the_matchers_did_before(mod
 
 
 def test_the_common_prefix_by_slices_is_the_first_difference():
-    from tandem.grammar import _common_prefix
+    from tandem.grammar_after import common_prefix as _common_prefix
 
     rng = np.random.default_rng(4)
     for _ in range(2000):
