@@ -45,13 +45,14 @@ FMAs from three tokens on, and bf16w overlaps them with the weights' stream.
 All the default target's layers, one thread: on a Zen 4 VM (AVX-512) 4
 tokens 120 ms against 165; on a 2-core AVX2 EPYC VM without AVX-512,
 1/2/3/4/6 tokens 274/299/363/472/723 ms against 378/437/529/566/780. On
-CPUs with AVX2 and no AVX-512 it is `auto` (bf16w_preferred): there the
-target alone decoded 2.80 tok/s on it against 2.10 on FBGEMM, and pinned
-pipelined Tandem ran faster on it too. With AVX-512 it is `auto` too since
-two runs side by side on a Zen 4 VM: the target alone decoded as fast on it
-as on FBGEMM (7.35-7.39 tok/s against 6.97-7.48), and pinned Tandem ran
-6.0-12.8% faster on it, its verify of 3+1 tokens 160 ms against 194
-(bench/RESULTS.md)."""
+CPUs with AVX2 and no AVX-512 it was faster: there the target alone
+decoded 2.80 tok/s on it against 2.10 on FBGEMM, and pinned pipelined Tandem
+ran faster on it too. With AVX-512, in two runs side by side on a Zen 4 VM,
+the target alone decoded as fast on it as on FBGEMM (7.35-7.39 tok/s against
+6.97-7.48), and pinned Tandem ran 6.0-12.8% faster on it, its verify of 3+1
+tokens 160 ms against 194 (bench/RESULTS.md). But on a Zen 4 VM whose
+hypervisor hides AVX-512 FBGEMM was the faster (tandem.linear_choice), so
+`auto` measures the two once on each machine (bf16w_preferred)."""
 from __future__ import annotations
 
 import logging
@@ -99,7 +100,7 @@ def auto_dtype(device: str) -> str:
         return "bfloat16"
     if amx_bf16() and packed_available():
         return "bfloat16"
-    if (fp16_available() and packed_available()) or bf16w_preferred():
+    if (fp16_available() and packed_available()) or bf16w_available():
         return "float32"
     return "bfloat16" if native_bf16() else "float32"
 
@@ -108,22 +109,34 @@ def fp16_available() -> bool:
     return hasattr(torch.ops.quantized, "linear_prepack_fp16") and "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def bf16w_preferred() -> bool:
-    """Whether `auto` runs float32 layers on tandem/bf16w.c: wherever it
-    builds (AVX2 + FMA or AVX-512, and a C compiler). Side by side it decoded
-    one token as fast as FBGEMM's fp16 layers or faster, and verified blocks
-    for less, on an AVX2 VM and on a Zen 4 VM (the module docstring)."""
+def bf16w_available() -> bool:
+    """Whether tandem/bf16w.c runs here (AVX2 + FMA or AVX-512, and a C compiler)."""
     from tandem import bf16w
     return bf16w.unavailable() is None
 
 
-def resolve_linear(linear: str, device: str, dtype: str) -> str:
+def bf16w_preferred(threads: int = 0) -> bool:
+    """Whether `auto` runs float32 layers on tandem/bf16w.c: where it runs,
+    unless FBGEMM's fp16 layers run too and measure faster on this machine at
+    these threads (0: torch's), once (tandem.linear_choice). bf16w decoded
+    one token as fast as FBGEMM or faster, and verified blocks for less, on an
+    AVX2 VM and a Zen 4 VM (the module docstring), but not on a Zen 4 VM whose
+    AVX-512 the hypervisor hides."""
+    if not bf16w_available():
+        return False
+    if not (fp16_available() and packed_available()):
+        return True
+    from tandem.linear_choice import faster_float32_kernel
+    return faster_float32_kernel(threads or torch.get_num_threads()) == "bf16w"
+
+
+def resolve_linear(linear: str, device: str, dtype: str, threads: int = 0) -> str:
     """The kernel a model on `device` in `dtype` gets for `linear`: "native"
     (nn.Linear), "packed" (oneDNN) or "fp16" (FBGEMM on fp16 weights, packed
     where a layer's weights do not convert exactly). "auto": the fastest that
-    applies, bf16w (where bf16w_preferred) > fp16 > packed > native for float32
-    on a CPU; for bfloat16 on a CPU, packed where it multiplies bf16 natively,
-    else native. Raises on a choice that cannot apply."""
+    applies, bf16w (where bf16w_preferred, at `threads`) > fp16 > packed >
+    native for float32 on a CPU; for bfloat16 on a CPU, packed where it
+    multiplies bf16 natively, else native. Raises on a choice that cannot apply."""
     if linear == "native":
         return "native"
     if device == "cpu" and dtype == "bfloat16" and linear in ("auto", "packed"):
@@ -147,7 +160,7 @@ def resolve_linear(linear: str, device: str, dtype: str) -> str:
         if (why := bf16w.DOT_KERNEL.unavailable()) is not None:
             raise ValueError(f"bf16dot linear layers cannot run here: {why}; use --linear bf16w, fp16, packed or native")
         return "bf16dot"
-    if linear == "auto" and bf16w_preferred():
+    if linear == "auto" and bf16w_preferred(threads):
         return "bf16w"
     if linear in ("auto", "fp16") and fp16_available() and packed_available():
         return "fp16"

@@ -74,7 +74,8 @@ class ModelConfig:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.linear not in cpu_kernels.LINEAR_KERNELS:
             raise ValueError(f"linear must be one of {cpu_kernels.LINEAR_KERNELS}, got {self.linear!r}")
-        cpu_kernels.resolve_linear(self.linear, self.device, self.resolved_dtype)  # raises on an impossible choice
+        if self.linear != "auto":  # raises on an impossible choice (auto has none, and may measure: kernel)
+            cpu_kernels.resolve_linear(self.linear, self.device, self.resolved_dtype)
         if self.inline_compute not in INLINE_COMPUTE:
             raise ValueError(f"inline_compute must be one of {INLINE_COMPUTE}, got {self.inline_compute!r}")
 
@@ -84,8 +85,9 @@ class ModelConfig:
 
     @property
     def kernel(self) -> str:
-        """"native", "packed" or "fp16": what `linear` resolves to here."""
-        return cpu_kernels.resolve_linear(self.linear, self.device, self.resolved_dtype)
+        """"native", "packed", "fp16", "bf16w" or "bf16dot": what `linear`
+        resolves to here, at this config's threads."""
+        return cpu_kernels.resolve_linear(self.linear, self.device, self.resolved_dtype, self.threads)
 
     @property
     def packed(self) -> bool:

@@ -107,7 +107,8 @@ def test_config_resolves_dtype_and_kernels():
     assert not ModelConfig("m", dtype="float32", linear="native").packed
     assert ModelConfig("m", dtype="float32").kernel == (
         "bf16w" if cpu_kernels.bf16w_preferred() else "fp16" if cpu_kernels.fp16_available() else "packed")
-    assert cpu_kernels.bf16w_preferred() == (bf16w.unavailable() is None)
+    if cpu_kernels.bf16w_preferred():
+        assert bf16w.unavailable() is None
     if bf16w.unavailable() is None:
         assert ModelConfig("m", dtype="float32", linear="bf16w").kernel == "bf16w"
     else:
@@ -370,3 +371,45 @@ def test_bf16dot_says_why_it_cannot_run_on_a_cpu_without_the_bf16_dot_product(mo
         cpu_kernels.resolve_linear("bf16dot", "cpu", "float32")
     with pytest.raises(ValueError, match="need device cpu and dtype float32"):
         cpu_kernels.resolve_linear("bf16dot", "cuda:0", "bfloat16")
+
+
+def test_auto_measures_the_two_float32_kernels_once_per_machine_and_keeps_the_choice(monkeypatch, tmp_path):
+    """tandem.linear_choice: FBGEMM only where it is faster by more than the
+    margin; the environment's choice first; a measurement kept in the model
+    cache and read back by the next process (here: a cleared cache)."""
+    from tandem import linear_choice
+
+    def times(bf16w_ms, fp16_ms):
+        return {"bf16w": {1: bf16w_ms, 4: bf16w_ms}, "fp16": {1: fp16_ms, 4: fp16_ms}}
+
+    assert linear_choice.choose(times(10.0, 9.6)) == "bf16w"  # within the margin: bf16w verifies for less
+    assert linear_choice.choose(times(10.0, 9.0)) == "fp16"
+    assert linear_choice.choose(times(9.0, 10.0)) == "bf16w"
+    monkeypatch.setenv("TANDEM_MODEL_CACHE", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(linear_choice, "measure", lambda threads: measured.append(threads) or times(10.0, 8.0))
+    linear_choice.faster_float32_kernel.cache_clear()
+    try:
+        assert linear_choice.faster_float32_kernel(1) == "fp16" and measured == [1]
+        linear_choice.faster_float32_kernel.cache_clear()  # as a new process would
+        assert linear_choice.faster_float32_kernel(1) == "fp16" and measured == [1]  # read back, not measured
+        assert linear_choice.faster_float32_kernel(2) == "fp16" and measured == [1, 2]  # another thread count
+        monkeypatch.setenv("TANDEM_LINEAR_AUTO", "bf16w")
+        linear_choice.faster_float32_kernel.cache_clear()
+        assert linear_choice.faster_float32_kernel(1) == "bf16w" and measured == [1, 2]
+        monkeypatch.setenv("TANDEM_LINEAR_AUTO", "fast")
+        linear_choice.faster_float32_kernel.cache_clear()
+        with pytest.raises(ValueError, match="TANDEM_LINEAR_AUTO"):
+            linear_choice.faster_float32_kernel(1)
+    finally:
+        linear_choice.faster_float32_kernel.cache_clear()
+
+
+@pytest.mark.skipif(not (cpu_kernels.bf16w_available() and cpu_kernels.fp16_available()
+                         and cpu_kernels.packed_available()), reason="needs bf16w and FBGEMM's fp16 layers")
+def test_the_measurement_times_both_kernels_on_layers_that_stream_from_memory():
+    from tandem import linear_choice
+
+    ms = linear_choice.measure(1)
+    assert set(ms) == {"bf16w", "fp16"} and all(0 < t < 10_000 for by_rows in ms.values() for t in by_rows.values())
+    assert linear_choice.MIN_LAYERS <= linear_choice._layers() <= linear_choice.MAX_LAYERS
