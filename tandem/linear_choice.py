@@ -9,13 +9,14 @@ took 182-200 / 279-309 ms on bf16w against 140-147 / 229-239 on FBGEMM, and
 `make bench-nodes` verified 3+1 tokens in 288 ms, 1.78 one-token decodes of
 the target alone on FBGEMM (bench/RESULTS.md, b4296e8).
 
-The measurement: layers of the default target's MLP shape (8960×1536), with
-bf16 weights that convert to fp16 exactly, in all as many bytes as twice the
-last-level cache (at least 6 layers), so that their weights stream from
-memory as a model's do; 1 and 4 rows (a decode, a verify), alternating
-kernels, the median of 3 passes. FBGEMM is chosen only where it is faster by
+The measurement: layers of the default target's MLP shapes (8960×1536 and
+1536×8960, alternating), with bf16 weights that convert to fp16 exactly, in
+all at least 256 MB and four times the last-level cache, so that their
+weights stream from memory as a model's do; 1 and 4 rows (a decode, a
+verify), alternating kernels, the median of 7 passes. (With 157 MB and 3
+passes, two threads on a 2-core VM chose one kernel, then the other.) FBGEMM is chosen only where it is faster by
 more than MARGIN, since bf16w verifies blocks for less where the two are
-close. It takes about 2 s, and is kept per machine (CPU model and flags,
+close. It takes a few seconds, and is kept per machine (CPU model and flags,
 torch version, threads) in the model cache, so a service measures once.
 TANDEM_LINEAR_AUTO=bf16w|fp16 skips it."""
 from __future__ import annotations
@@ -34,9 +35,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-OUT, IN = 8960, 1536  # the default target's MLP projection
-MIN_LAYERS, MAX_LAYERS = 6, 24
-PASSES = 3
+SHAPES = ((8960, 1536), (1536, 8960))  # (out, in): the default target's MLP projections, up and down
+MIN_BYTES = 256 << 20  # of bf16 weights, and at least four times the last-level cache
+MAX_LAYERS = 24
+PASSES = 7
+METHOD = 2  # part of the kept choice's key: a new measurement replaces the old ones
 MARGIN = 0.95  # FBGEMM's time over bf16w's below which it is chosen
 KERNELS = ("bf16w", "fp16")
 
@@ -64,7 +67,7 @@ def faster_float32_kernel(threads: int) -> str:
     ms = measure(threads)
     choice = choose(ms)
     log.info("--linear auto: float32 layers on %s (1 / 4 rows over %d MB of weights, %d threads: bf16w %.1f / %.1f ms, "
-             "FBGEMM fp16 %.1f / %.1f ms; measured in %.1f s, kept in %s)", choice, _layers() * OUT * IN * 2 >> 20,
+             "FBGEMM fp16 %.1f / %.1f ms; measured in %.1f s, kept in %s)", choice, _layers() * LAYER_BYTES >> 20,
              threads, ms["bf16w"][1], ms["bf16w"][4], ms["fp16"][1], ms["fp16"][4], time.perf_counter() - started,
              _path())
     _write(key, choice)
@@ -81,22 +84,23 @@ def measure(threads: int) -> dict[str, dict[int, float]]:
     try:
         generator = torch.Generator().manual_seed(0)
         stacks: dict[str, list[torch.nn.Module]] = {kernel: [] for kernel in KERNELS}
-        for _ in range(_layers()):
-            weight = torch.randn(OUT, IN, generator=generator) * 0.02
+        for index in range(_layers()):
+            out_features, in_features = SHAPES[index % len(SHAPES)]
+            weight = torch.randn(out_features, in_features, generator=generator) * 0.02
             weight = torch.where(weight.abs() < 1e-3, torch.full_like(weight, 1e-3).copysign(weight), weight)
-            linear = torch.nn.Linear(IN, OUT, bias=False)
+            linear = torch.nn.Linear(in_features, out_features, bias=False)
             linear.weight.data = weight.bfloat16().float()  # bf16 values, exact in fp16
             stacks["bf16w"].append(Bf16wLinear(linear))
             stacks["fp16"].append(Fp16Linear(linear, exact_fp16(linear.weight.data)))
         times: dict[str, dict[int, list[float]]] = {kernel: {1: [], 4: []} for kernel in KERNELS}
+        inputs = {(rows, n): torch.randn(rows, n, generator=generator) for rows in (1, 4) for _, n in SHAPES}
         with torch.inference_mode():
             for timed in [False] + [True] * PASSES:
                 for rows in (1, 4):
-                    x = torch.randn(rows, IN, generator=generator)
                     for kernel, stack in stacks.items():
                         start = time.perf_counter()
                         for layer in stack:
-                            layer(x)
+                            layer(inputs[rows, layer.in_features])
                         if timed:
                             times[kernel][rows].append((time.perf_counter() - start) * 1e3)
         return {kernel: {rows: statistics.median(ms) for rows, ms in by_rows.items()} for kernel, by_rows in times.items()}
@@ -104,8 +108,11 @@ def measure(threads: int) -> dict[str, dict[int, float]]:
         torch.set_num_threads(before)
 
 
+LAYER_BYTES = SHAPES[0][0] * SHAPES[0][1] * 2  # of a layer's bf16 weights
+
+
 def _layers() -> int:
-    """As many layers as twice the last-level cache holds in bf16, within bounds."""
+    """Layers of at least MIN_BYTES and four times the last-level cache, at most MAX_LAYERS."""
     sizes = []
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
@@ -115,7 +122,7 @@ def _layers() -> int:
         units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     cache = max(sizes, default=32 << 20)
-    return min(MAX_LAYERS, max(MIN_LAYERS, math.ceil(2 * cache / (OUT * IN * 2))))
+    return min(MAX_LAYERS, math.ceil(max(MIN_BYTES, 4 * cache) / LAYER_BYTES))
 
 
 def _machine_key(threads: int) -> str:
@@ -126,7 +133,7 @@ def _machine_key(threads: int) -> str:
                           if line.startswith(("model name", "flags", "cpu family", "model\t", "stepping")))
     except OSError:
         pass
-    return hashlib.sha256(f"{cpu}|{torch.__version__}|{threads}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{cpu}|{torch.__version__}|{threads}|{METHOD}".encode()).hexdigest()[:16]
 
 
 def _path() -> Path:
