@@ -178,14 +178,15 @@ def baseline_configs(device: str, dtype: str, linear: str = "auto",
     """The (dtype, linear) configurations to time the target alone in, for a
     speedup over the fastest of them: the service's own first (the identity
     reference: same weights, same kernels; `linear` is its --linear), then, on
-    a CPU, float32 on its fastest layers, on FBGEMM's fp16 layers where auto
-    picks others, float32 nn.Linear (MKL's one-row product wins on one-token
+    a CPU, float32 on its fastest layers, on FBGEMM's fp16 layers and on bf16w
+    where auto picks others (it measures them at its own threads:
+    tandem.linear_choice), float32 nn.Linear (MKL's one-row product wins on one-token
     decoding where the service packs) and bf16; on a GPU, bf16. Each set of
     kernels once, `extra` (asked for by hand) last. Even without native bf16, a one-token bf16 decode is no slower
     than float32 with nn.Linear (372 vs 381 ms on the AVX2 machine above),
     because it reads half the bytes; with it, float32 on fp16 weights still
     decodes twice as fast (auto_dtype)."""
-    others = [("float32", "auto"), ("float32", "fp16"), ("float32", "native"), ("bfloat16", "auto")] \
+    others = [("float32", "auto"), ("float32", "fp16"), ("float32", "bf16w"), ("float32", "native"), ("bfloat16", "auto")] \
         if device == "cpu" else [("bfloat16", "auto")]
     configs = [(dtype, linear)]
     for candidate in [*others, *extra]:

@@ -184,6 +184,8 @@ def test_baselines_include_every_kernel_that_may_decode_faster():
     auto = cpu_kernels.resolve_linear("auto", "cpu", "float32")
     # FBGEMM's fp16 layers where auto runs other kernels (bf16w where it builds)
     fbgemm = [("float32", "fp16")] if auto not in ("fp16", "packed", "native") else []
+    # and bf16w where auto measured FBGEMM faster (tandem.linear_choice)
+    fbgemm += [("float32", "bf16w")] if auto == "fp16" and bf16w.unavailable() is None else []
     assert cpu_kernels.baseline_configs("cpu", "float32") == [
         ("float32", "auto"), *fbgemm, ("float32", "native"), ("bfloat16", "auto")]
     native = auto == "native"
