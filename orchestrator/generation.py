@@ -15,7 +15,7 @@ from orchestrator.decoder import Decoder
 from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCosts
 from orchestrator.rounds import Committed, RoundStats, ServiceView
 from orchestrator.store import SessionRecord, SessionStore
-from orchestrator.text import Detokenizer, cut_at_stop, find_stop
+from orchestrator.text import Detokenizer, cut_at_stop, find_stop, reasoning_tokens
 from tandem import telemetry
 from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling import SamplingParams
@@ -46,6 +46,12 @@ class RequestParams:
     grammar: str = ""  # structured output: the completion follows this llguidance grammar (tandem.structured)
     grammar_after: tuple[int, ...] = ()  # the grammar waits for these tokens (a reasoning's end: closed_in_prompt)
     include_stop: bool = False  # the text keeps the stop string that ended it (include_stop_str_in_output)
+    # The completion's reasoning, counted in Usage.reasoning_tokens: its end's
+    # text and token ids (closed_in_prompt), and the text that opens it where
+    # the model opens it itself ("": it begins inside it).
+    reasoning_end: str = ""
+    reasoning_end_ids: tuple[int, ...] = ()
+    reasoning_start: str = ""
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -180,6 +186,8 @@ class Generation:
             sampling = dataclasses.replace(sampling, grammar=params.grammar, grammar_start=len(record.tokens),
                                            grammar_end_ids=tuple(sorted(ends)),
                                            grammar_after=() if after_in_prompt else params.grammar_after)
+        # The prompt closed the reasoning itself: the completion has none.
+        reasoning_closed = closed_in_prompt(record.tokens, params.reasoning_end_ids, self.tokenizer)
         if params.min_tokens:  # the first generated token is at position len(record.tokens)
             sampling = dataclasses.replace(sampling, suppress_ids=tuple(sorted(ends)),
                                            suppress_before=len(record.tokens) + params.min_tokens)
@@ -224,7 +232,8 @@ class Generation:
                     event = _event_delta(keep, text, logprobs)
                     if len(completion) == len(keep):  # the first delta
                         event.delta.prompt_tokens = cached + len(turn)
-                        event.delta.after_in_prompt = after_in_prompt
+                        event.delta.after_in_prompt = (reasoning_closed if params.reasoning_end_ids
+                                                       else after_in_prompt)
                     if echoed is not None:
                         event.delta.prompt.CopyFrom(self._echo(echoed, decoder, params))
                         echoed = None
@@ -249,10 +258,13 @@ class Generation:
                     "tandem.accepted": decoder.stats.accepted, "tandem.pipeline": pipeline})
         stats = decoder.stats
         self.pipeline_choice.observe(stats.accepted, stats.rejected_rounds)
+        reasoning = 0
+        if params.reasoning_end and not reasoning_closed:
+            reasoning = reasoning_tokens(completion, detok.decode, params.reasoning_end, params.reasoning_start)
         yield tandem_pb2.GenerateEvent(final=tandem_pb2.Completion(
             finish_reason=finish,
             usage=tandem_pb2.Usage(prompt_tokens=cached + len(turn), completion_tokens=len(completion),
-                                   cached_prompt_tokens=cached),
+                                   cached_prompt_tokens=cached, reasoning_tokens=reasoning),
             session_id=record.session_id,
             stats=tandem_pb2.SpeculationStats(
                 rounds=stats.rounds,
@@ -411,7 +423,8 @@ def closed_in_prompt(prompt: list[int], after: tuple[int, ...], tokenizer, most_
     """Whether the prompt's text ends with `after`'s and then whitespace alone
     (in its last len(after) + `most_spaces` tokens): a chat template that
     closes the reasoning itself (Qwen3's with thinking off), so a grammar that
-    waits for the reasoning's end applies from the first token. By text, not
+    waits for the reasoning's end applies from the first token, and the
+    completion has no reasoning. By text, not
     by tokens: a template's text may merge the tag's last characters with what
     follows ("</think>\n" as "</", "think", ">\n")."""
     if not after:

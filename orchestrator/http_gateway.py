@@ -49,9 +49,15 @@ INFO_TIMEOUT_S = 10.0
 def reasoned(call: Call, parser: str | None) -> Call:
     """A chat call whose answer's reasoning is read apart, where the server
     has a reasoning parser. A grammar that shapes the answer (a format, a
-    forced tool call) waits for the reasoning's end, as vLLM's does."""
+    forced tool call) waits for the reasoning's end, as vLLM's does. The
+    orchestrator counts the reasoning's tokens (usage's reasoning_tokens) and
+    says whether the prompt closed it (TokenDelta.after_in_prompt)."""
     if parser is None:
         return call
+    reasoning = call.request.params.reasoning
+    reasoning.end = reasoning_parsers.END
+    if reasoning_parsers.opens_itself(parser):
+        reasoning.start = reasoning_parsers.START
     if call.request.params.HasField("structured_output"):
         call.request.params.structured_output.after = reasoning_parsers.END
     return dataclasses.replace(call, reasoning_parser=parser)

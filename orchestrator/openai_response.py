@@ -54,8 +54,11 @@ def usage(call: Call, finals: list[tandem_pb2.Completion]) -> dict:
     prompt = sum(choices[0].usage.prompt_tokens for choices in per_prompt)
     completion = 0 if call.prompt_only else sum(final.usage.completion_tokens for final in finals)
     cached = sum(min(f.usage.cached_prompt_tokens for f in choices) for choices in per_prompt)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    counted = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": cached}}
+    if call.reasoning_parser is not None:  # of the completion's tokens, the reasoning's (as OpenAI counts them)
+        counted["completion_tokens_details"] = {"reasoning_tokens": sum(f.usage.reasoning_tokens for f in finals)}
+    return counted
 
 
 def speculation(final: tandem_pb2.Completion) -> dict:

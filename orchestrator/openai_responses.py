@@ -232,7 +232,9 @@ def _usage(usage: dict | None) -> dict | None:
         return None
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": usage.get("completion_tokens_details",
+                                                                   {}).get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}
 
 

@@ -24,6 +24,12 @@ PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
 
+def opens_itself(parser: str) -> bool:
+    """Whether the model opens its reasoning itself, with <think> (else its
+    answer begins inside the reasoning, opened by the template)."""
+    return parser == "qwen3"
+
+
 @dataclass(frozen=True)
 class Progress:
     """An answer's text so far, read for reasoning: the reasoning that may go
@@ -46,7 +52,7 @@ def progress(parser: str, text: str, final: bool = False, closed: bool = False) 
     opened = text.startswith(START, head)
     if not opened and not final and START.startswith(text[head:]):  # it may yet open: hold it all
         return Progress(undecided=True)
-    if parser == "qwen3" and not opened:
+    if opens_itself(parser) and not opened:
         return Progress(content_start=0)
     start = head + len(START) if opened else 0
     end = text.find(END, start)

@@ -15,6 +15,9 @@ from tandem.structured import FORMATS, build_grammar
 from tandem.v1 import common_pb2, tandem_pb2
 
 
+MAX_REASONING_TAG = 64  # characters of reasoning.end and reasoning.start
+
+
 @dataclass(frozen=True)
 class RequestReader:
     """Reads requests for one pairing: `target` is the target service's
@@ -50,6 +53,9 @@ class RequestReader:
             if not self.target.eos_token_ids and not msg.stop_token_ids:
                 raise ValueError("structured output needs an end-of-sequence token to end a complete output, "
                                  "and the model has none: give stop_token_ids")
+        reasoning_end, reasoning_end_ids, reasoning_start = "", (), ""
+        if msg.HasField("reasoning"):
+            reasoning_end, reasoning_end_ids, reasoning_start = self._reasoning(msg.reasoning)
         if msg.HasField("top_logprobs") and not msg.logprobs:
             raise ValueError("top_logprobs needs logprobs")
         return RequestParams(
@@ -68,6 +74,9 @@ class RequestReader:
             stop_token_ids=frozenset(self.check_ids(list(msg.stop_token_ids), "stop_token_ids")),
             grammar=grammar,
             grammar_after=grammar_after,
+            reasoning_end=reasoning_end,
+            reasoning_end_ids=reasoning_end_ids,
+            reasoning_start=reasoning_start,
         )
 
     @staticmethod
@@ -91,6 +100,15 @@ class RequestReader:
             raise ValueError(f"structured_output.after must be 1 to {MAX_GRAMMAR_AFTER} tokens, "
                              f"got {len(ids)} for {text[:40]!r}")
         return ids
+
+    def _reasoning(self, msg: tandem_pb2.Reasoning) -> tuple[str, tuple[int, ...], str]:
+        """reasoning's end (its text and token ids) and start."""
+        self.need_tokenizer("reasoning")
+        if not 0 < len(msg.end) <= MAX_REASONING_TAG:
+            raise ValueError(f"reasoning.end must be 1 to {MAX_REASONING_TAG} characters, got {len(msg.end)}")
+        if len(msg.start) > MAX_REASONING_TAG:
+            raise ValueError(f"reasoning.start must be at most {MAX_REASONING_TAG} characters, got {len(msg.start)}")
+        return msg.end, tuple(self.tokenizer.encode(msg.end, add_special_tokens=False)), msg.start
 
     def _bad_words(self, words) -> tuple[tuple[int, ...], ...]:
         """Each word's token sequences, as vLLM makes them (without special

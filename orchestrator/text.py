@@ -19,24 +19,51 @@ class Detokenizer:
         self._prefix = 0  # window start: ids before it are settled text
         self._read = 0  # ids before it have been emitted
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, decoded as the completion's text is."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def full_text(self) -> str:
-        return self._decode(self.ids) if self.tokenizer else ""
+        return self.decode(self.ids) if self.tokenizer else ""
 
     def add(self, ids: list[int]) -> str:
         self.ids.extend(ids)
         if self.tokenizer is None:
             return ""
-        before = self._decode(self.ids[self._prefix:self._read])
-        window = self._decode(self.ids[self._prefix:])
+        before = self.decode(self.ids[self._prefix:self._read])
+        window = self.decode(self.ids[self._prefix:])
         if len(window) <= len(before) or window.endswith("\ufffd"):
             return ""
         delta = window[len(before):]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
+
+
+def reasoning_tokens(ids: list[int], decode, end: str, start: str = "") -> int:
+    """How many of a completion's tokens are its reasoning, read as the HTTP
+    API's reasoning parsers read its text: up to the token in which `end`
+    first ends, or all of them where it never comes; none where `start` is set
+    and the text, past leading whitespace, does not begin with it. `decode`
+    gives the text of a list of ids (as the completion's text is decoded).
+    A search by halves: O(log n) decodes."""
+    if not ids or not end:
+        return 0
+    text = decode(ids)
+    if start and not text.lstrip().startswith(start):
+        return 0
+    after = text.find(start, len(text) - len(text.lstrip())) + len(start) if start else 0
+    if text.find(end, after) < 0:
+        return len(ids)
+    low, high = 1, len(ids)  # decode(ids[:high]) holds end; decode(ids[:low - 1]) does not
+    while low < high:
+        mid = (low + high) // 2
+        head = decode(ids[:mid])
+        if head.find(end, min(after, len(head))) >= 0:
+            high = mid
+        else:
+            low = mid + 1
+    return low
 
 
 def find_stop(text: str, stops: list[str], search_from: int = 0) -> int:

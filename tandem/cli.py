@@ -203,6 +203,8 @@ def _print_result(result, args) -> None:
         _print_logprobs("completion", result.logprobs)
     s = result.stats
     reused = f", {result.cached_prompt_tokens} prompt tokens reused" if result.cached_prompt_tokens else ""
+    if getattr(args, "reasoning_end", None):
+        reused += f", {result.reasoning_tokens} of reasoning"
     print(
         f"\n[{result.finish_reason}] {result.completion_tokens} tokens, {s.rounds} rounds, "
         f"acceptance {result.acceptance_rate:.2f}, {s.total_ms / 1e3:.1f}s "

@@ -175,6 +175,13 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--format-after", default=None, metavar="TEXT",
                    help="structured output applies only after this text (a reasoning model's end of reasoning, "
                         "such as '</think>'); the completion is free up to it (default: from the first token)")
+    p.add_argument("--reasoning-end", default=None, metavar="TEXT",
+                   help="count the completion's reasoning: its tokens up to the one in which this text ends "
+                        "('</think>'), all of them where it never comes, none where the prompt ends with it "
+                        "(default: not counted)")
+    p.add_argument("--reasoning-start", default=None, metavar="TEXT",
+                   help="with --reasoning-end: the completion reasons only where it begins with this text "
+                        "(Qwen3's '<think>'; default: it begins inside its reasoning, as DeepSeek-R1's)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of each request, seconds (default: none; a server that stops answering "
@@ -205,7 +212,16 @@ def sampling_kwargs(args) -> dict:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, min_p=args.min_p,
         structured_output=_structured_output(args),
+        reasoning=_reasoning(args),
     )
+
+
+def _reasoning(args) -> dict | None:
+    if args.reasoning_start and not args.reasoning_end:
+        raise SystemExit("tandem: --reasoning-start needs --reasoning-end")
+    if not args.reasoning_end:
+        return None
+    return {"end": args.reasoning_end, **({"start": args.reasoning_start} if args.reasoning_start else {})}
 
 
 def _from_file(value: str) -> str:

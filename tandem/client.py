@@ -28,6 +28,7 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0  # of prompt_tokens, those a parked session held (--prefix-cache)
+    reasoning_tokens: int = 0  # of completion_tokens, the reasoning's (with reasoning=...)
     stats: tandem_pb2.SpeculationStats | None = None
     logprobs: list[tandem_pb2.TokenLogprob] = field(default_factory=list)  # one a token, when asked (logprobs=True)
     prompt: tandem_pb2.PromptEcho | None = None  # echo=True or prompt_logprobs=N: the prompt, scored if asked
@@ -46,7 +47,7 @@ class Result:
             "finish_reason": self.finish_reason,
             "session_id": self.session_id,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                      "cached_prompt_tokens": self.cached_prompt_tokens},
+                      "cached_prompt_tokens": self.cached_prompt_tokens, "reasoning_tokens": self.reasoning_tokens},
             "stats": MessageToDict(self.stats, preserving_proto_field_name=True) if self.stats else {},
             "acceptance_rate": self.acceptance_rate,
             **({"logprobs": [MessageToDict(lp, preserving_proto_field_name=True,
@@ -179,5 +180,6 @@ def collect(events, on_delta=None) -> Result:
             result.prompt_tokens = final.usage.prompt_tokens
             result.completion_tokens = final.usage.completion_tokens
             result.cached_prompt_tokens = final.usage.cached_prompt_tokens
+            result.reasoning_tokens = final.usage.reasoning_tokens
             result.stats = final.stats
     return result

@@ -89,3 +89,19 @@ def test_structured_output_flags_become_one_format(tmp_path):
     assert after.json_object and after.after == "</think>"
     with pytest.raises(SystemExit, match="needs a format"):
         _sampling_kwargs(build_parser().parse_args(["generate", "x", "--format-after", "</think>"]))
+
+
+def test_reasoning_flags_ask_the_server_to_count_the_reasoning():
+    from tandem.cli_flags import sampling_kwargs as _sampling_kwargs
+    from tandem.client import params_message
+    from tandem.v1 import tandem_pb2
+
+    def params(*flags):
+        return params_message(**_sampling_kwargs(build_parser().parse_args(["generate", "x", *flags])))
+
+    assert not params().HasField("reasoning")
+    assert params("--reasoning-end", "</think>").reasoning == tandem_pb2.Reasoning(end="</think>")
+    both = params("--reasoning-end", "</think>", "--reasoning-start", "<think>").reasoning
+    assert (both.end, both.start) == ("</think>", "<think>")
+    with pytest.raises(SystemExit, match="needs --reasoning-end"):
+        params("--reasoning-start", "<think>")

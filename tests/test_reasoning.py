@@ -53,6 +53,23 @@ def _whole(call, text):
     return response(call, "m", [answer])["choices"][0]
 
 
+def test_usage_counts_every_choices_reasoning_tokens_only_under_a_parser():
+    from orchestrator.http_gateway import reasoned
+    from orchestrator.openai_response import usage
+
+    finals = [tandem_pb2.Completion(usage=tandem_pb2.Usage(prompt_tokens=5, completion_tokens=c, reasoning_tokens=r))
+              for c, r in ((9, 4), (7, 7))]
+    plain = chat_call({"messages": ASK, "n": 2})
+    assert "completion_tokens_details" not in usage(plain, finals)
+    for parser in reasoning_parsers.PARSERS:
+        call = reasoned(chat_call({"messages": ASK, "n": 2}), parser)
+        assert usage(call, finals)["completion_tokens"] == 16
+        assert usage(call, finals)["completion_tokens_details"] == {"reasoning_tokens": 11}
+        # The orchestrator counts them by the parser's tags: qwen3's answer opens its reasoning itself.
+        sent = call.request.params.reasoning
+        assert (sent.end, sent.start) == ("</think>", "<think>" if parser == "qwen3" else "")
+
+
 @pytest.mark.parametrize("size", [1, 3, 7, 200])
 @pytest.mark.parametrize("parser", reasoning_parsers.PARSERS)
 def test_streamed_reasoning_and_content_equal_the_whole_answers(parser, size):
@@ -380,16 +397,33 @@ def test_the_reasoning_parser_reshapes_what_the_target_alone_says(cluster):  # n
             whole = api.chat.completions.create(model="tandem-tiny", messages=ASKED, max_tokens=30, temperature=0)
             message = whole.choices[0].message.model_dump()
             assert (message["reasoning_content"], message["content"]) == (reasoning, content)
-            deltas = [c.choices[0].delta.model_dump() for c in api.chat.completions.create(
-                model="tandem-tiny", messages=ASKED, max_tokens=30, temperature=0, stream=True) if c.choices]
+            # The answer never closes its reasoning: deepseek_r1's is all reasoning, qwen3's has none.
+            thought = whole.usage.completion_tokens if parser == "deepseek_r1" else 0
+            assert whole.usage.completion_tokens_details.reasoning_tokens == thought
+            chunks = list(api.chat.completions.create(model="tandem-tiny", messages=ASKED, max_tokens=30,
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True}))
+            deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
             assert "".join(d.get("reasoning_content") or "" for d in deltas) == (reasoning or "")
             assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+            assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thought
             answer = api.responses.create(model="tandem-tiny", input=ASKED[0]["content"], max_output_tokens=30,
                                           temperature=0, store=False)
             kinds = [item.type for item in answer.output]
             assert kinds == (["reasoning"] if parser == "deepseek_r1" else ["message"])
             if parser == "deepseek_r1":
                 assert answer.output[0].content[0].text == said
+            assert answer.usage.output_tokens_details.reasoning_tokens == (
+                answer.usage.output_tokens if parser == "deepseek_r1" else 0)
+            # A prompt that closed the reasoning (Qwen3's template with thinking off): content alone,
+            # no reasoning tokens, under either parser.
+            unthought = api.chat.completions.create(
+                model="tandem-tiny", max_tokens=30, temperature=0,
+                messages=ASKED + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}],
+                extra_body={"continue_final_message": True, "add_generation_prompt": False})
+            message = unthought.choices[0].message.model_dump()
+            assert message["content"] and not message["reasoning_content"]
+            assert unthought.usage.completion_tokens_details.reasoning_tokens == 0
             # A format waits for the reasoning's end, which this pair never writes: the answer is
             # the target alone's, free, read as above.
             formatted = api.chat.completions.create(
