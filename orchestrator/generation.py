@@ -52,6 +52,8 @@ class RequestParams:
     reasoning_end: str = ""
     reasoning_end_ids: tuple[int, ...] = ()
     reasoning_start: str = ""
+    # Generate: keep the prompt's last n tokens; -1: as many as fit beside max_tokens (truncated)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -66,6 +68,9 @@ class RequestParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
+                                                            or self.truncate_prompt_tokens >= 1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens}")
         if self.grammar and self.ignore_eos:
             raise ValueError("structured output cannot be combined with ignore_eos: the end-of-sequence "
                              "token is what ends a complete output")
@@ -417,6 +422,20 @@ def _short_of_stop(text: str, stops) -> str:
         if any(len(stop) > len(text) - start and stop.startswith(text[start:]) for stop in stops):
             return text[:start]
     return text
+
+
+def truncated(prompt: list[int], params: RequestParams, context: int) -> list[int]:
+    """The prompt's last tokens that truncate_prompt_tokens keeps: n of them,
+    or with -1 as many as fit in the context window beside max_tokens."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = context - params.max_tokens
+        if keep < 1:
+            raise ValueError(f"max_tokens {params.max_tokens} leaves no room for a prompt in the context window "
+                             f"of {context}")
+    return prompt[-keep:]
 
 
 def closed_in_prompt(prompt: list[int], after: tuple[int, ...], tokenizer, most_spaces: int = 8) -> bool:

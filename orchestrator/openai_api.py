@@ -135,7 +135,9 @@ def completion_call(body) -> Call:
             where = f"prompt[{i}]" if len(batch) > 1 else "prompt"
             raise invalid("prompt", f"'{where}' must be a string or a non-empty list of token ids")
         prompts.append(request)
-    texts = [one if isinstance(one, str) else None for one in batch] if echo else []
+    # Echoed: the text sent, or where the server may have cut it (truncate_prompt_tokens), its decoding.
+    cut = params.HasField("truncate_prompt_tokens")
+    texts = [one if isinstance(one, str) and not cut else None for one in batch] if echo else []
     return _common(body, False, prompts, texts, prompt_only)
 
 

@@ -233,5 +233,10 @@ def generation_params(body: dict, max_tokens_names: tuple[str, ...], chat: bool)
             getattr(params, name).extend(t for t in texts if t)
     if flag(body, "include_stop_str_in_output"):
         params.include_stop_str_in_output = True
+    # vLLM's: keep the prompt's last n tokens (-1: as many as fit beside max_tokens).
+    if (truncate := number(body, "truncate_prompt_tokens", -1, INT32_MAX, integer=True)) is not None:
+        if truncate == 0:
+            raise invalid("truncate_prompt_tokens", "'truncate_prompt_tokens' must be -1 or >= 1, not 0")
+        params.truncate_prompt_tokens = truncate
     _logprobs(body, chat, params)
     return params

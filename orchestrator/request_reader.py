@@ -77,6 +77,7 @@ class RequestReader:
             reasoning_end=reasoning_end,
             reasoning_end_ids=reasoning_end_ids,
             reasoning_start=reasoning_start,
+            truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
         )
 
     @staticmethod

@@ -12,7 +12,7 @@ from orchestrator import fim
 from orchestrator.auth import ApiKeys, call_tenant
 from orchestrator.backends import GrpcProposer, GrpcVerifier, Prefix, ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import MAX_TREE_WIDTH, OrchestratorConfig
-from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome
+from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome, truncated
 from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
@@ -206,6 +206,9 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
             params = self.reader.params(request.params)
             messages = None
             kind = request.WhichOneof("prompt")
+            if params.truncate_prompt_tokens is not None and (request.keep_session or kind == "fill"):
+                raise ValueError("truncate_prompt_tokens is for stateless prompts that are not filled in the "
+                                 "middle: it would cut a kept session's history, or a fill's prefix marker")
             if kind == "text":
                 self.reader.need_tokenizer("a text prompt")
                 prompt = self.tokenizer.encode(request.text)
@@ -230,6 +233,8 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                 prompt = self.reader.check_ids(list(request.token_ids.ids))
             if not prompt:
                 raise ValueError("the prompt is empty")
+            if params.truncate_prompt_tokens is not None:
+                prompt = truncated(prompt, params, self.target_info.max_context)
             self._check_room(0, len(prompt), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -274,8 +279,9 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         user = None
         try:
             params = self.reader.params(request.params)
-            if params.echo or params.prompt_logprobs is not None:
-                raise ValueError("echo and prompt_logprobs are Generate's: a Chat turn is not a prompt of its own")
+            if params.echo or params.prompt_logprobs is not None or params.truncate_prompt_tokens is not None:
+                raise ValueError("echo, prompt_logprobs and truncate_prompt_tokens are Generate's: a Chat turn is "
+                                 "not a prompt of its own")
             if request.WhichOneof("turn") == "user_message":
                 if not request.user_message:
                     raise ValueError("the user message is empty")
