@@ -54,6 +54,7 @@ class RequestParams:
     reasoning_start: str = ""
     # Generate: keep the prompt's last n tokens; -1: as many as fit beside max_tokens (truncated)
     truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True  # special tokens are left out of the text
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -209,7 +210,7 @@ class Generation:
             prompt_logprobs=params.prompt_logprobs, plain_first=params.seeded and not params.sampling.greedy,
         )
         metrics = RequestMetrics(telemetry.instruments())
-        detok = Detokenizer(self.tokenizer)
+        detok = Detokenizer(self.tokenizer, params.skip_special_tokens)
         streamed = ""  # the completion's text sent so far
         completion: list[int] = []
         finish = tandem_pb2.FINISH_REASON_UNSPECIFIED
@@ -305,7 +306,9 @@ class Generation:
         ))
         if outcome is not None:
             outcome.ids = completion
-            outcome.text = detok.full_text()
+            # A kept conversation's reply, as the chat template will render it again: without special tokens.
+            outcome.text = (detok.full_text() if params.skip_special_tokens
+                            else self.tokenizer.decode(completion, skip_special_tokens=True))
             if finish == tandem_pb2.FINISH_REASON_STOP:
                 outcome.text = cut_at_stop(outcome.text, params.stop, params.include_stop)
 
@@ -342,7 +345,8 @@ class Generation:
                 return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP
             if params.stop and self.tokenizer is not None:
                 tail = (completion + newly[: i + 1])[-window:]
-                if find_stop(self.tokenizer.decode(tail, skip_special_tokens=True), list(params.stop)) >= 0:
+                text = self.tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
+                if find_stop(text, list(params.stop)) >= 0:
                     return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP
         if len(newly) >= limit:
             return newly[:limit], at_limit

@@ -238,5 +238,7 @@ def generation_params(body: dict, max_tokens_names: tuple[str, ...], chat: bool)
         if truncate == 0:
             raise invalid("truncate_prompt_tokens", "'truncate_prompt_tokens' must be -1 or >= 1, not 0")
         params.truncate_prompt_tokens = truncate
+    if body.get("skip_special_tokens") is not None:  # vLLM's; default true
+        params.skip_special_tokens = flag(body, "skip_special_tokens")
     _logprobs(body, chat, params)
     return params

@@ -78,6 +78,7 @@ class RequestReader:
             reasoning_end_ids=reasoning_end_ids,
             reasoning_start=reasoning_start,
             truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
+            skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         )
 
     @staticmethod

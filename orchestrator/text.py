@@ -12,8 +12,9 @@ class Detokenizer:
     decodes only a short window (as vLLM does), holding back an incomplete
     multi-byte character until the next token completes it."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens  # special tokens are left out of the text
         self.ids: list[int] = []
         self.text = ""  # text emitted so far
         self._prefix = 0  # window start: ids before it are settled text
@@ -21,7 +22,7 @@ class Detokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, decoded as the completion's text is."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def full_text(self) -> str:
         return self.decode(self.ids) if self.tokenizer else ""

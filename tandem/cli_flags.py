@@ -182,6 +182,9 @@ def _add_sampling_flags(p) -> None:
     p.add_argument("--reasoning-start", default=None, metavar="TEXT",
                    help="with --reasoning-end: the completion reasons only where it begins with this text "
                         "(Qwen3's '<think>'; default: it begins inside its reasoning, as DeepSeek-R1's)")
+    p.add_argument("--keep-special-tokens", action="store_true",
+                   help="keep the tokenizer's special tokens (an end-of-sequence token, chat markers) in the text "
+                        "(default: left out, as vLLM's skip_special_tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of each request, seconds (default: none; a server that stops answering "
@@ -213,6 +216,7 @@ def sampling_kwargs(args) -> dict:
         repetition_penalty=args.repetition_penalty, min_p=args.min_p,
         structured_output=_structured_output(args),
         reasoning=_reasoning(args),
+        skip_special_tokens=False if args.keep_special_tokens else None,
     )
 
 

@@ -105,3 +105,15 @@ def test_reasoning_flags_ask_the_server_to_count_the_reasoning():
     assert (both.end, both.start) == ("</think>", "<think>")
     with pytest.raises(SystemExit, match="needs --reasoning-end"):
         params("--reasoning-start", "<think>")
+
+
+def test_keep_special_tokens_asks_for_them_in_the_text():
+    from tandem.cli_flags import sampling_kwargs as _sampling_kwargs
+    from tandem.client import params_message
+
+    def params(*flags):
+        return params_message(**_sampling_kwargs(build_parser().parse_args(["generate", "x", *flags])))
+
+    assert not params().HasField("skip_special_tokens")
+    kept = params("--keep-special-tokens")
+    assert kept.HasField("skip_special_tokens") and not kept.skip_special_tokens
