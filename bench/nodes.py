@@ -14,7 +14,10 @@ the two. (e) and (g), which differ from (a) and (d) only in CPU placement,
 are not run there, and the whole-machine ratio is taken with (d).
 The pinned modes run prompt by prompt: each prompt goes through (a) in
 Tandem's own kernels, (b), each (c) and (d) before the next prompt starts, so
-that a machine whose speed drifts over minutes shifts them alike. Then (e),
+that a machine whose speed drifts over minutes shifts them alike. The target
+alone in its other configurations (kernels, dtypes) runs first, one after
+another, and Tandem's own right after them as well (a_target_one_core_own_first):
+its two timings show how far the machine drifted between the phases. Then (e),
 (f) and (g) run the same way, one configuration of (g) at a time with (f)
 beside each.
 Writes bench/results/nodes.json and nodes.png."""
@@ -340,6 +343,13 @@ def main(argv=None) -> int:
     target = load_hf(target_path, *configs[0], args.device)
     from tandem.lean import unsupported
 
+    if len(configs) > 1 and not gpu:
+        # Tandem's own configuration timed as the others just were, one after
+        # another: its two timings, this one and the one between the Tandem
+        # modes, show how far the machine drifted between the two phases.
+        print(f"(a) target alone, {where}, {label}, timed as the other configurations were …", flush=True)
+        with on_one_core(cores, gpu):
+            modes["a_target_one_core_own_first"] = hf_generate(target, prompts, args.new_tokens)
     if gpu and unsupported(target) is None:
         print(f"(a) target alone, {where}, {label}, one-token forwards replayed from CUDA graphs …", flush=True)
         modes["a_target_one_core_graphs"] = lean_generate(target, prompts, args.new_tokens, args.device)

@@ -65,6 +65,11 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         if r.overhead_in_services_ms_p50 is not None and r.overhead_ms_per_round_p50 is not None:
             print(f"{label}'s overhead p50 {r.overhead_ms_per_round_p50:.2f} ms: {r.overhead_in_services_ms_p50:.2f} ms p50 "
                   f"in the services' handlers beyond their compute, the rest gRPC both ways and the orchestrator")
+    first, own = modes.get("a_target_one_core_own_first"), modes.get("a_target_one_core")
+    if first is not None and first.tok_s and own is not None and own.tok_s:
+        print(f"Tandem's own target alone ran {first.tok_s:.2f} tok/s right after the other configurations' (a) and "
+              f"{own.tok_s:.2f} between the Tandem modes ({own.tok_s / first.tok_s - 1:+.1%}: the machine's drift "
+              f"between the two phases, which the other configurations' (a) share with the first)")
     auto = modes.get("d_pipeline_auto")
     if auto is not None and auto.tok_s and sequential.tok_s and adaptive.tok_s:
         print(f"--pipeline auto pre-drafted in {auto.pipelined_prompts} of its {auto.prompts} prompts and ran "

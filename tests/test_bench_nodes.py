@@ -32,6 +32,8 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
     assert {"a_target_one_core", "b_sequential", "c_pipelined_k2", "d_pipelined_adaptive", "e_target_both_cores",
             "f_hf_assisted_both_cores", "g_whole_machine_sequential_1t", "g_whole_machine_pipelined_1t"} <= set(modes)
     assert list(modes)[0] == "a_target_one_core"  # the table's order: (a) first, Tandem's own kernels leading
+    # Beside the other configurations' (a), Tandem's own is timed again, as they were.
+    assert ("a_target_one_core_own_first" in modes) == (len(result["baselines"]) > 1)
     for name, mode in modes.items():
         passes = 2 if name.startswith("f_") else 1  # (f) runs beside each of the two (g) configurations
         assert mode["prompts"] == 2 and mode["tokens"] == 24 * passes, name
