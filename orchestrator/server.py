@@ -233,8 +233,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                 prompt = self.reader.check_ids(list(request.token_ids.ids))
             if not prompt:
                 raise ValueError("the prompt is empty")
-            if params.truncate_prompt_tokens is not None:
-                prompt = truncated(prompt, params, self.target_info.max_context)
+            prompt = truncated(prompt, params, self.target_info.max_context)
             self._check_room(0, len(prompt), params)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -51,16 +51,16 @@ def reasoning_tokens(ids: list[int], decode, end: str, start: str = "") -> int:
     if not ids or not end:
         return 0
     text = decode(ids)
-    if start and not text.lstrip().startswith(start):
+    head = len(text) - len(text.lstrip())
+    if start and not text.startswith(start, head):
         return 0
-    after = text.find(start, len(text) - len(text.lstrip())) + len(start) if start else 0
+    after = head + len(start) if start else 0  # where the end is looked for
     if text.find(end, after) < 0:
         return len(ids)
     low, high = 1, len(ids)  # decode(ids[:high]) holds end; decode(ids[:low - 1]) does not
     while low < high:
         mid = (low + high) // 2
-        head = decode(ids[:mid])
-        if head.find(end, min(after, len(head))) >= 0:
+        if decode(ids[:mid]).find(end, after) >= 0:
             high = mid
         else:
             low = mid + 1
