@@ -124,13 +124,19 @@ def test_counters_equal_the_completion_stats(same_cluster, recorded):
     _, reader = recorded
     result = _generate(same_cluster)
     stats = result.stats
-    # The last round's pre-draft is cancelled when the request ends; it leaves
-    # the draft's worker at its next layer, a moment after the reply.
+    # The last round's pre-draft is cancelled when the request ends. Its call may
+    # reach the draft's worker after the reply, and then leaves it at its next
+    # layer: the worker's own count can read 0 before that call has come in. So
+    # the gauges, read through GetStats, are collected until both read 0; a call
+    # left on a worker keeps one above 0 and fails the test below.
     deadline = time.monotonic() + 10
-    while (same_cluster.draft.worker.queue_depth or same_cluster.target.worker.queue_depth) \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
-    points = _points(reader)
+    while True:
+        points = _points(reader)
+        depths = [points["tandem.worker.queue_depth"][frozenset({"role": role}.items())].value
+                  for role in ("draft", "target")]
+        if depths == [0, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     def value(name, **attributes):
         return points[name][frozenset(attributes.items())].value
