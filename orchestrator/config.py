@@ -96,6 +96,11 @@ class OrchestratorConfig:
     service_tls_cert: str = ""
     service_tls_key: str = ""
     service_tls_server_name: str = ""
+    # The chat template's text, in place of the tokenizer's ("" = the
+    # tokenizer's); and whether a request may bring its own
+    # (ChatMessages.chat_template), which the orchestrator then runs.
+    chat_template: str = ""
+    trust_request_chat_template: bool = False
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:

@@ -159,7 +159,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 def _template_options(body: dict, messages: tandem_pb2.ChatMessages) -> None:
     """vLLM's chat template options: continue_final_message (with
-    add_generation_prompt false, as vLLM asks) and chat_template_kwargs;
+    add_generation_prompt false, as vLLM asks), chat_template_kwargs and
+    chat_template (a template of the request's own);
     OpenAI's reasoning_effort, one of the template's variables (a
     chat_template_kwargs of the same name wins)."""
     continues = flag(body, "continue_final_message")
@@ -186,6 +187,11 @@ def _template_options(body: dict, messages: tandem_pb2.ChatMessages) -> None:
         variables = {"reasoning_effort": effort, **(variables or {})}
     if variables is not None:
         messages.chat_template_kwargs_json = json.dumps(variables)
+    template = body.get("chat_template")
+    if template is not None:  # the orchestrator runs it only with --trust-request-chat-template
+        if not isinstance(template, str) or not template:
+            raise invalid("chat_template", "'chat_template' must be the text of a Jinja chat template")
+        messages.chat_template = template
 
 
 def chat_call(body, tool_parser: str | None = None) -> Call:
@@ -289,8 +295,8 @@ def tokenize_request(body) -> tandem_pb2.TokenizeRequest:
     request = tandem_pb2.TokenizeRequest()
     if body.get("messages") is not None:
         chat = {"messages": body["messages"]}
-        chat.update({k: body[k] for k in ("continue_final_message", "add_generation_prompt", "chat_template_kwargs")
-                     if k in body})
+        chat.update({k: body[k] for k in ("continue_final_message", "add_generation_prompt", "chat_template_kwargs",
+                                          "chat_template") if k in body})
         if body.get("tools"):
             chat.update(tools=body["tools"], tool_choice="none")
         request.messages.CopyFrom(chat_call(chat).request.messages)

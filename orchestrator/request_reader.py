@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 
 from orchestrator.generation import RequestParams
-from orchestrator.text import ChatTemplate
+from orchestrator.text import MAX_CHAT_TEMPLATE_CHARS, ChatTemplate
 from tandem.sampling import MAX_BAD_WORDS, MAX_GRAMMAR_AFTER, MAX_LOGIT_BIASES, SamplingParams
 from tandem.structured import FORMATS, build_grammar
 from tandem.v1 import common_pb2, tandem_pb2
@@ -27,6 +27,7 @@ class RequestReader:
     tokenizer: object | None
     template: ChatTemplate
     default_max_tokens: int
+    trust_request_chat_template: bool = False  # a request may bring its own chat template
 
     def params(self, msg: tandem_pb2.GenerationParams) -> RequestParams:
         seed = msg.seed if msg.HasField("seed") else random.getrandbits(63)
@@ -145,11 +146,19 @@ class RequestReader:
             raise ValueError(f"{what} outside [0, {vocab}): {bad[:5]}")
         return ids
 
-    def messages(self, messages) -> list[dict]:
+    def messages(self, messages, own_template: str = "") -> list[dict]:
         """A conversation as the chat template takes it; ValueError with words
-        where the template cannot render it."""
+        where the template cannot render it. `own_template`: the request's
+        own chat template (ChatMessages.chat_template), checked here."""
         self.need_tokenizer("a conversation")
-        if not self.template.available:
+        if own_template:
+            if not self.trust_request_chat_template:
+                raise ValueError("the request brings its own chat template, and this server runs only its own: "
+                                 "start the orchestrator with --trust-request-chat-template to allow it")
+            if len(own_template) > MAX_CHAT_TEMPLATE_CHARS:
+                raise ValueError(f"the request's chat template is {len(own_template)} characters, over "
+                                 f"{MAX_CHAT_TEMPLATE_CHARS}")
+        elif not self.template.available:
             raise ValueError("the model has no chat template: send the prompt as text or token ids")
         if not messages:
             raise ValueError("the conversation has no messages")

@@ -19,7 +19,7 @@ from orchestrator.quotas import TenantQuotas
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.stored_responses import ItemStore, ResponseStore, StoredRpcs
-from orchestrator.text import ChatTemplate
+from orchestrator.text import ChatTemplate, check_chat_template
 from tandem import placement, serving, telemetry
 from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tandem.v1 import common_pb2, tandem_pb2, tandem_pb2_grpc
@@ -92,7 +92,8 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
             raise PairingError(mismatch)
         target = self.target_info
         self._load_tokenizer(target)
-        self.reader = RequestReader(target, self.tokenizer, self.template, self.config.default_max_tokens)
+        self.reader = RequestReader(target, self.tokenizer, self.template, self.config.default_max_tokens,
+                                    self.config.trust_request_chat_template)
         self.generation = Generation(
             self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
             EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback,
@@ -160,6 +161,8 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
     def _load_tokenizer(self, target) -> None:
         source = self.config.tokenizer or target.model_id
         if source == "none":
+            if self.config.chat_template:
+                raise PairingError("--chat-template needs a tokenizer: --tokenizer none serves token ids only")
             return
         from tandem.default_models import resolve_model
 
@@ -172,6 +175,14 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                                "or --tokenizer none to serve token ids only")
         if tokenizer is not None and tokenizer_fingerprint(tokenizer, target.vocab_size) != target.tokenizer_fingerprint:
             raise PairingError(f"tokenizer {source!r} does not match the target model's")
+        if self.config.chat_template:
+            if tokenizer is None:
+                raise PairingError(f"--chat-template needs a tokenizer, and the target model {source!r} has none")
+            try:
+                check_chat_template(tokenizer, self.config.chat_template)
+            except ValueError as err:
+                raise PairingError(f"--chat-template: {err}") from err
+            tokenizer.chat_template = self.config.chat_template
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, target.eos_token_ids)
         self.fim_format = fim.detect(tokenizer)
@@ -221,14 +232,15 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                 if not params.ignore_eos:  # the middle ends at the model's own markers of its end
                     params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids | self.fim_ends)
             elif kind == "messages":
-                messages = self.reader.messages(request.messages.messages)
+                own = request.messages.chat_template
+                messages = self.reader.messages(request.messages.messages, own)
                 tools = read_tools(request.messages.tools_json)
                 variables = template_variables(request.messages.chat_template_kwargs_json)
                 continues = request.messages.continue_final_message
-                if request.keep_session and (tools or variables or continues):
-                    raise ValueError("tools, chat_template_kwargs and continue_final_message are for stateless "
-                                     "requests: a session kept for Chat renders its turns without them")
-                prompt = self.template.first_turn(messages, tools, continues, variables)
+                if request.keep_session and (tools or variables or continues or own):
+                    raise ValueError("tools, chat_template_kwargs, continue_final_message and chat_template are for "
+                                     "stateless requests: a session kept for Chat renders its turns without them")
+                prompt = self.template.first_turn(messages, tools, continues, variables, own)
             else:
                 prompt = self.reader.check_ids(list(request.token_ids.ids))
             if not prompt:
@@ -350,9 +362,10 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                     raise ValueError("the model has no tokenizer: its token ids have no text")
                 return tandem_pb2.TokenizeReply(token_ids=ids, text=self.tokenizer.decode(ids))
             if kind == "messages":
-                messages = self.reader.messages(request.messages.messages)
+                own = request.messages.chat_template
+                messages = self.reader.messages(request.messages.messages, own)
                 options = (read_tools(request.messages.tools_json), request.messages.continue_final_message,
-                           template_variables(request.messages.chat_template_kwargs_json))
+                           template_variables(request.messages.chat_template_kwargs_json), own)
                 text = self.template.first_turn_text(messages, *options)
                 return tandem_pb2.TokenizeReply(token_ids=self.template.first_turn(messages, *options), text=text)
             self.reader.need_tokenizer("a text")

@@ -99,35 +99,48 @@ class ChatTemplate:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
-                continue_final_message: bool = False, variables: dict | None = None) -> str:
+                continue_final_message: bool = False, variables: dict | None = None,
+                template: str | None = None) -> str:
         """The template's text; ValueError with the template's words where it
         refuses the messages (roles out of order, say). `tools`: OpenAI's
         function tools, which the template shows the model.
         `continue_final_message`: the text ends with the last message's
-        content (no generation prompt); `variables`: more for the template."""
-        from jinja2 import TemplateError
+        content (no generation prompt); `variables`: more for the template;
+        `template`: a request's own template, in place of the tokenizer's."""
+        from jinja2 import TemplateError, TemplateSyntaxError
 
+        whose = "the request's" if template else "the model's"
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                tools=tools, continue_final_message=continue_final_message, **(variables or {}))
+                tools=tools, continue_final_message=continue_final_message, chat_template=template or None,
+                **(variables or {}))
+        except TemplateSyntaxError as err:
+            raise ValueError(f"{whose} chat template is not a valid Jinja template: {err} (line {err.lineno})") \
+                from err
         except TemplateError as err:
-            raise ValueError(f"the model's chat template refused the messages: {err}") from err
+            raise ValueError(f"{whose} chat template refused the messages: {err}") from err
         except ValueError as err:  # continue_final_message: the last message's content is not in the text
             raise ValueError(f"the chat template cannot continue the last message: {err}") from err
+        except Exception as err:  # noqa: BLE001 (a request's template is the client's code: its fault, its error)
+            if not template:
+                raise
+            raise ValueError(f"the request's chat template failed: {type(err).__name__}: {err}") from err
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def first_turn_text(self, messages: list[dict], tools: list[dict] | None = None,
-                        continue_final_message: bool = False, variables: dict | None = None) -> str:
+                        continue_final_message: bool = False, variables: dict | None = None,
+                        template: str | None = None) -> str:
         """A conversation as its first turn's prompt: with the assistant's
         prompt, or up to the end of its last message, which the reply continues."""
-        return self._render(messages, True, tools, continue_final_message, variables)
+        return self._render(messages, True, tools, continue_final_message, variables, template)
 
     def first_turn(self, messages: list[dict], tools: list[dict] | None = None,
-                   continue_final_message: bool = False, variables: dict | None = None) -> list[int]:
-        return self._encode(self.first_turn_text(messages, tools, continue_final_message, variables))
+                   continue_final_message: bool = False, variables: dict | None = None,
+                   template: str | None = None) -> list[int]:
+        return self._encode(self.first_turn_text(messages, tools, continue_final_message, variables, template))
 
     def next_turn(self, history: list[dict], user: dict, ended_with: list[int]) -> list[int]:
         """Tokens after the committed ones for a new user turn. `history` ends with
@@ -148,3 +161,42 @@ class ChatTemplate:
             if produced and closing.startswith(produced):
                 closing = closing[len(produced):]
         return self._encode(closing + delta)
+
+
+MAX_CHAT_TEMPLATE_CHARS = 65536  # a request's own template (ChatMessages.chat_template)
+
+
+def chat_template_text(value: str) -> str:
+    """The orchestrator's --chat-template: the text of the file it names, or,
+    where it holds Jinja's delimiters and names no file, the template itself
+    (as vLLM reads the flag). ValueError where it names no file and is no
+    template, or the file cannot be read."""
+    import os
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--chat-template {value!r}: the file cannot be read: {err}") from err
+    if any(mark in value for mark in ("{{", "{%", "{#")):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template (a template holds "
+                     "'{{' or '{%')")
+
+
+def check_chat_template(tokenizer, template: str) -> None:
+    """ValueError where `template` is not valid Jinja, found by rendering one
+    user message with it; a template that refuses that message (one that wants
+    a system message first, say) passes: a request's messages may suit it."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                      add_generation_prompt=True, chat_template=template)
+    except TemplateSyntaxError as err:
+        raise ValueError(f"the chat template is not a valid Jinja template: {err} (line {err.lineno})") from err
+    except TemplateError:
+        pass
+    except Exception:  # noqa: BLE001 (it compiled; what it does with this one message is not the check's)
+        pass

@@ -72,6 +72,7 @@ def _serve(args) -> None:
             # The flags are checked before orchestrator.server brings in torch and transformers (seconds).
             from orchestrator.config import OrchestratorConfig, PrefixCacheConfig, QuotaConfig
             from orchestrator.policy import KPolicyConfig
+            from orchestrator.text import chat_template_text
 
             if args.discover:  # the model services of a Ray deployment (tandem.ray_cluster)
                 from tandem.ray_cluster import discover
@@ -97,6 +98,8 @@ def _serve(args) -> None:
                                    tokens_per_minute=args.tenant_tokens_per_minute),
                 service_tls_ca=args.service_tls_ca, service_tls_cert=args.service_tls_cert,
                 service_tls_key=args.service_tls_key, service_tls_server_name=args.service_tls_server_name,
+                chat_template=chat_template_text(args.chat_template) if args.chat_template else "",
+                trust_request_chat_template=args.trust_request_chat_template,
             )
             public["tls"] = _server_tls(args)
             if public["tls"] is not None and args.http_port is not None:

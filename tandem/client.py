@@ -92,13 +92,15 @@ class TandemClient:
                         keep_session: bool = False, messages: list[dict] | None = None,
                         tools: list[dict] | None = None, continue_final_message: bool = False,
                         chat_template_kwargs: dict | None = None, suffix: str | None = None,
-                        **params) -> Iterator[tandem_pb2.GenerateEvent]:
+                        chat_template: str | None = None, **params) -> Iterator[tandem_pb2.GenerateEvent]:
         """Streams a completion of the prompt: text, token ids, or a conversation
         (`messages`, dicts with role and content, and OpenAI's tool_calls,
         tool_call_id and name where they have them, rendered by the server's
         chat template; `tools`, OpenAI's function tools, shown to the model by
         the template; `continue_final_message`, the reply continues the last
         message; `chat_template_kwargs`, more variables for the template;
+        `chat_template`, a template of the request's own, for a server run
+        with --trust-request-chat-template;
         `suffix`: fill in between the text prompt and it, in the model's
         fill-in-the-middle format)."""
         request = tandem_pb2.GenerateRequest(params=params_message(**params), keep_session=keep_session)
@@ -108,6 +110,8 @@ class TandemClient:
             request.messages.continue_final_message = True
         if chat_template_kwargs:
             request.messages.chat_template_kwargs_json = json.dumps(chat_template_kwargs)
+        if chat_template:
+            request.messages.chat_template = chat_template
         if suffix is not None:
             request.fill.prefix, request.fill.suffix = prompt or "", suffix
             return self._call(self.stub.Generate, request)
@@ -136,10 +140,13 @@ class TandemClient:
         return self._call(self.stub.DeleteSession, tandem_pb2.DeleteSessionRequest(session_id=session_id)).deleted
 
     def tokenize(self, text: str | None = None, messages: list[dict] | None = None,
-                 token_ids: list[int] | None = None, add_special_tokens: bool | None = None) -> tandem_pb2.TokenizeReply:
+                 token_ids: list[int] | None = None, add_special_tokens: bool | None = None,
+                 chat_template: str | None = None) -> tandem_pb2.TokenizeReply:
         """Text or a conversation to token ids, as Generate encodes a prompt, or
-        token ids to text (give one of the three)."""
+        token ids to text (give one of the three; `chat_template`, as generate's)."""
         request = tandem_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)
+        if chat_template:
+            request.messages.chat_template = chat_template
         return self._call(self.stub.Tokenize, _with_input(request, text, token_ids, messages))
 
     def server_info(self) -> tandem_pb2.ServerInfo:

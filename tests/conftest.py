@@ -114,7 +114,7 @@ class Cluster:
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
                  target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int = 1,
-                 quotas=None, service_tls=None):
+                 quotas=None, service_tls=None, orchestrator=None):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
@@ -123,7 +123,8 @@ class Cluster:
         # --graphs; auto replays CUDA graphs on a GPU (TANDEM_TEST_DEVICE=cuda),
         # whose verify takes the block alone (no alternatives). service_tls: the
         # model services' tandem.tls.ServerTls ("server") and the orchestrator's
-        # service_tls_* settings (ca, cert, key, server_name).
+        # service_tls_* settings (ca, cert, key, server_name). orchestrator: more
+        # OrchestratorConfig fields, by name.
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -136,7 +137,7 @@ class Cluster:
                            inline_compute=inline_compute, relay=relay, relay_address=relay_address,
                            tree_width=tree_width, target_graphs=target_graphs, prefix_cache=prefix_cache,
                            api_keys_file=api_keys_file, target_batch=target_batch,
-                           quotas=quotas, service_tls=service_tls or {})
+                           quotas=quotas, service_tls=service_tls or {}, orchestrator=orchestrator or {})
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -173,6 +174,7 @@ class Cluster:
             prefix_cache=p["prefix_cache"] or PrefixCacheConfig(), api_keys_file=p["api_keys_file"],
             quotas=p["quotas"] or QuotaConfig(),
             **{f"service_tls_{k}": v for k, v in p["service_tls"].items() if k != "server"},
+            **p["orchestrator"],
         )
         orch, orch_port, _, self.orchestrator = build_orch("127.0.0.1:0", config)
         await orch.start()
