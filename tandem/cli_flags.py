@@ -356,10 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "out apart, as reasoning_content (a reasoning item), as vLLM's parser of the name reads "
                            "it (deepseek_r1: the answer starts inside the reasoning; qwen3: where it opens with "
                            "<think>) (default: none, all of it is content)")
-    orch.add_argument("--chat-template", default="", metavar="FILE|TEXT",
+    orch.add_argument("--chat-template", default=os.environ.get("TANDEM_CHAT_TEMPLATE", ""), metavar="FILE|TEXT",
                       help="the Jinja chat template that renders conversations, in place of the tokenizer's: a "
                            "file, or the template's text (as vLLM's flag); for a model without one, or to fix "
-                           "one (default: the tokenizer's)")
+                           "one (default: $TANDEM_CHAT_TEMPLATE, else the tokenizer's)")
     orch.add_argument("--trust-request-chat-template", action="store_true",
                       help="let a request bring its own chat template (the HTTP API's chat_template, gRPC's "
                            "ChatMessages.chat_template), which the orchestrator then renders: only where the "

@@ -88,6 +88,20 @@ def test_the_api_keys_component_gives_the_orchestrator_its_keys_file(tmp_path, m
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to render")
+def test_the_chat_template_component_gives_the_orchestrator_its_template(tmp_path, monkeypatch):
+    """components/chat-template: the ConfigMap's template.jinja is mounted
+    where $TANDEM_CHAT_TEMPLATE points, which --chat-template reads."""
+    spec, container = _with_component(tmp_path, "chat-template")
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "chat-template")
+    volume = next(v for v in spec["volumes"] if v["name"] == "chat-template")
+    assert volume["configMap"]["name"] == "tandem-chat-template" and mount["readOnly"]
+    assert env["TANDEM_CHAT_TEMPLATE"] == str(Path(mount["mountPath"]) / "template.jinja")
+    monkeypatch.setenv("TANDEM_CHAT_TEMPLATE", env["TANDEM_CHAT_TEMPLATE"])
+    assert build_parser().parse_args(container["args"]).chat_template == env["TANDEM_CHAT_TEMPLATE"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to render")
 def test_the_tls_component_gives_the_orchestrator_its_certificate_and_probes_it_over_https(tmp_path, monkeypatch):
     """components/tls: the tls Secret's files are where $TANDEM_TLS_CERT and
     $TANDEM_TLS_KEY point (--tls-cert, --tls-key), and the probes, which the
