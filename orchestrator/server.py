@@ -366,8 +366,8 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                 messages = self.reader.messages(request.messages.messages, own)
                 options = (read_tools(request.messages.tools_json), request.messages.continue_final_message,
                            template_variables(request.messages.chat_template_kwargs_json), own)
-                text = self.template.first_turn_text(messages, *options)
-                return tandem_pb2.TokenizeReply(token_ids=self.template.first_turn(messages, *options), text=text)
+                text = self.template.first_turn_text(messages, *options)  # rendered once, then encoded
+                return tandem_pb2.TokenizeReply(token_ids=self.template.encode(text), text=text)
             self.reader.need_tokenizer("a text")
             special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             return tandem_pb2.TokenizeReply(token_ids=self.tokenizer.encode(request.text, add_special_tokens=special),

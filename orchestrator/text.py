@@ -116,8 +116,7 @@ class ChatTemplate:
                 tools=tools, continue_final_message=continue_final_message, chat_template=template or None,
                 **(variables or {}))
         except TemplateSyntaxError as err:
-            raise ValueError(f"{whose} chat template is not a valid Jinja template: {err} (line {err.lineno})") \
-                from err
+            raise _not_jinja(whose, err) from err
         except TemplateError as err:
             raise ValueError(f"{whose} chat template refused the messages: {err}") from err
         except ValueError as err:  # continue_final_message: the last message's content is not in the text
@@ -127,7 +126,8 @@ class ChatTemplate:
                 raise
             raise ValueError(f"the request's chat template failed: {type(err).__name__}: {err}") from err
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
+        """A rendered text's token ids: the template wrote its special tokens itself."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def first_turn_text(self, messages: list[dict], tools: list[dict] | None = None,
@@ -140,7 +140,7 @@ class ChatTemplate:
     def first_turn(self, messages: list[dict], tools: list[dict] | None = None,
                    continue_final_message: bool = False, variables: dict | None = None,
                    template: str | None = None) -> list[int]:
-        return self._encode(self.first_turn_text(messages, tools, continue_final_message, variables, template))
+        return self.encode(self.first_turn_text(messages, tools, continue_final_message, variables, template))
 
     def next_turn(self, history: list[dict], user: dict, ended_with: list[int]) -> list[int]:
         """Tokens after the committed ones for a new user turn. `history` ends with
@@ -160,7 +160,7 @@ class ChatTemplate:
             produced = self.tokenizer.decode(ended_with[-1:])
             if produced and closing.startswith(produced):
                 closing = closing[len(produced):]
-        return self._encode(closing + delta)
+        return self.encode(closing + delta)
 
 
 MAX_CHAT_TEMPLATE_CHARS = 65536  # a request's own template (ChatMessages.chat_template)
@@ -189,14 +189,16 @@ def check_chat_template(tokenizer, template: str) -> None:
     """ValueError where `template` is not valid Jinja, found by rendering one
     user message with it; a template that refuses that message (one that wants
     a system message first, say) passes: a request's messages may suit it."""
-    from jinja2 import TemplateError, TemplateSyntaxError
+    from jinja2 import TemplateSyntaxError
 
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                       add_generation_prompt=True, chat_template=template)
     except TemplateSyntaxError as err:
-        raise ValueError(f"the chat template is not a valid Jinja template: {err} (line {err.lineno})") from err
-    except TemplateError:
-        pass
+        raise _not_jinja("the", err) from err
     except Exception:  # noqa: BLE001 (it compiled; what it does with this one message is not the check's)
         pass
+
+
+def _not_jinja(whose: str, err) -> ValueError:
+    return ValueError(f"{whose} chat template is not a valid Jinja template: {err} (line {err.lineno})")
