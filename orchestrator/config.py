@@ -46,8 +46,27 @@ class QuotaConfig:
         return bool(self.max_requests or self.tokens_per_minute)
 
 
+DNS_PREFIX = "dns:///"  # a service's replicas: every address a DNS name resolves to
+
+
+def split_addresses(value: str) -> list[str]:
+    """A service's replicas' addresses from "host:port[,host:port...]"."""
+    return [part.strip() for part in value.split(",")]
+
+
+def dns_target(value: str) -> tuple[str, int]:
+    """(host, port) from "dns:///host:port"; ValueError where it is not that."""
+    host, _, port = value[len(DNS_PREFIX):].rpartition(":")
+    if not host or "," in value or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r}: a DNS name of replicas is {DNS_PREFIX}NAME:PORT")
+    return host.strip("[]"), int(port)
+
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
+    # Each service's address, or its replicas' addresses, comma-separated, or
+    # a DNS name whose every address is a replica, dns:///NAME:PORT
+    # (orchestrator.replicas: each session's calls go to one replica).
     draft_address: str
     target_address: str
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -121,5 +140,23 @@ class OrchestratorConfig:
         if self.service_tls_ca and self.relay:
             raise ValueError("--relay on has the target dial the draft, in plaintext: it cannot be combined with "
                              "--service-tls-ca")
+        several = False
+        for role, value in (("draft", self.draft_address), ("target", self.target_address)):
+            if value.startswith(DNS_PREFIX):
+                try:
+                    dns_target(value)
+                except ValueError as err:
+                    raise ValueError(f"--{role}: {err}") from None
+                several = True
+                continue
+            addresses = split_addresses(value)
+            if not all(addresses):
+                raise ValueError(f"--{role}: an empty address in {value!r}")
+            if len(set(addresses)) != len(addresses):
+                raise ValueError(f"--{role}: an address given twice in {value!r}")
+            several |= len(addresses) > 1
+        if self.relay and several:
+            raise ValueError("--relay on has the target dial one draft address: it cannot be combined with "
+                             "replicas of a service")
         if self.service_transport not in TRANSPORTS:
             raise ValueError(f"service_transport must be one of {TRANSPORTS}, got {self.service_transport!r}")

@@ -39,6 +39,7 @@ import uuid
 from array import array
 
 from orchestrator.config import PrefixCacheConfig
+from orchestrator.replicas import copy_id
 from orchestrator.store import SessionRecord, SessionStore, stored_cache_id
 from tandem import fingerprint
 
@@ -123,11 +124,15 @@ class PrefixCache:
     beginning, to requests that share their prefix. `release(cache_id)` frees a
     session's caches on both services; `fork(source_cache_id, cache_id, length,
     fingerprint)` copies a prefix of one session's caches into another on both,
-    and says whether both did."""
+    and says whether both did. `crowded(cache_id)`: whether the service
+    replicas that hold a session's caches (orchestrator.replicas) are busy
+    enough that a request is better placed afresh than given a copy there."""
 
-    def __init__(self, store: SessionStore, config: PrefixCacheConfig, namespace: str, release, fork):
+    def __init__(self, store: SessionStore, config: PrefixCacheConfig, namespace: str, release, fork,
+                 crowded=lambda cache_id: False):
         self.store = store
         self.fork = fork
+        self.crowded = crowded  # whether a session's caches are on replicas too busy to copy them there
         self.config = config
         self.redis = store.redis
         self.namespace = hashlib.blake2b(namespace.encode(), digest_size=6).hexdigest()
@@ -243,8 +248,11 @@ class PrefixCache:
     async def _copy(self, tenant: str, source_cache_id: str, prefix: list[int], ttl_s: int):
         """A new session of `tenant` holding `prefix`, its caches copied on both
         services from a parked session's, which stays parked; None when a
-        service no longer holds them."""
-        record = await self.store.create(tenant, ttl_s=ttl_s)
+        service no longer holds them, or when its replicas are crowded. The
+        copy's cache id places it on the replicas of its source's caches."""
+        if self.crowded(source_cache_id):
+            return None
+        record = await self.store.create(tenant, ttl_s=ttl_s, cache_id=copy_id(source_cache_id))
         await self.store.append_tokens(record, prefix, count=False)  # reused: not the tenant's usage
         if not await self.fork(source_cache_id, record.cache_id, len(prefix), fingerprint.of(prefix)):
             await self.store.delete(tenant, record.session_id)

@@ -16,6 +16,7 @@ from orchestrator.generation import EngineConfig, Generation, RequestParams, Tur
 from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
+from orchestrator.replicas import Replicas, service_client
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.stored_responses import ItemStore, ResponseStore, StoredRpcs
@@ -43,10 +44,12 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
 
             tls = (channel_credentials(config.service_tls_ca, config.service_tls_cert, config.service_tls_key),
                    config.service_tls_server_name)
-        self.proposer = GrpcProposer(config.draft_address, config.service_timeout_s, config.service_transport, tls)
-        self.verifier = GrpcVerifier(config.target_address, config.service_timeout_s, config.service_transport,
-                                     relay_to=(config.relay_address or config.draft_address) if config.relay else "",
-                                     tls=tls)
+        # Each service's replicas (orchestrator.replicas): a session's calls go to one of them.
+        self.proposer = service_client(config.draft_address, lambda address: GrpcProposer(
+            address, config.service_timeout_s, config.service_transport, tls), "draft")
+        self.verifier = service_client(config.target_address, lambda address: GrpcVerifier(
+            address, config.service_timeout_s, config.service_transport,
+            relay_to=(config.relay_address or config.draft_address) if config.relay else "", tls=tls), "target")
         self.store = SessionStore(config.redis_url, config.session_ttl_s,
                                   count_usage=config.quotas.tokens_per_minute > 0)
         self.responses = ResponseStore(self.store.redis, config.response_ttl_s)  # StoredRpcs'
@@ -54,7 +57,8 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         self.quotas = TenantQuotas(self.store.redis, config.quotas) if config.quotas.enabled else None
         self.api_keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
         self.prefix_cache = (PrefixCache(self.store, config.prefix_cache, f"{config.draft_address} {config.target_address}",
-                                         self._release, self._fork) if config.prefix_cache.enabled else None)
+                                         self._release, self._fork, self._crowded)
+                             if config.prefix_cache.enabled else None)
         self.tokenizer = None
         self.template = ChatTemplate(None)
         self.fim_format: str | None = None  # the tokenizer's fill-in-the-middle format (orchestrator/fim.py)
@@ -114,6 +118,8 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         while True:
             try:
                 return await client.model_info()
+            except ValueError as err:  # replicas that serve different models
+                raise PairingError(str(err)) from None
             except ServiceUnavailable as err:
                 if asyncio.get_running_loop().time() > deadline:
                     raise
@@ -136,10 +142,13 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
             await asyncio.sleep(PAIR_POLL_S)
             try:
                 draft = await self.proposer.model_info()
+                mismatch = self._mismatch(draft)
             except (ServiceUnavailable, grpc.aio.AioRpcError) as err:
                 log.debug("draft service not answering yet: %s", err)
                 continue
-            if mismatch := self._mismatch(draft):
+            except ValueError as err:  # its replicas serve different models
+                mismatch = str(err)
+            if mismatch:
                 if mismatch != refused:
                     log.error("not drafting: %s; serving on the target alone", mismatch)
                     refused = mismatch
@@ -490,6 +499,12 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
     async def _release(self, cache_id: str) -> None:
         """Frees a session's caches on both services."""
         await asyncio.gather(self.proposer.release(cache_id), self.verifier.release(cache_id))
+
+    def _crowded(self, cache_id: str) -> bool:
+        """Whether the replica of either service that holds a session's caches
+        is busy enough that a copy of them is better placed afresh."""
+        return any(isinstance(client, Replicas) and client.crowded(cache_id)
+                   for client in (self.proposer, self.verifier))
 
     async def _fork(self, source_id: str, cache_id: str, length: int, fp: int) -> bool:
         """Copies a prefix of one session's caches into another on both

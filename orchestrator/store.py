@@ -2,7 +2,8 @@
 
 Keys (all under a tenant):
   tandem:{tenant}:session:{id}         hash: created, ttl, messages (JSON), draft_len, target_len,
-                                       and cache_id where it is not the id (orchestrator.prefix_cache)
+                                       and cache_id where it is not the id (orchestrator.prefix_cache:
+                                       a session taken over, or a copy)
   tandem:{tenant}:session:{id}:tokens  list: committed token ids, in order
   tandem:owner:{id}                    the owning tenant (for PERMISSION_DENIED)
 """
@@ -97,19 +98,23 @@ class SessionStore:
     async def ping(self) -> None:
         await self.redis.ping()
 
-    async def create(self, tenant: str, messages: list[dict] | None = None, ttl_s: int = 0) -> SessionRecord:
+    async def create(self, tenant: str, messages: list[dict] | None = None, ttl_s: int = 0,
+                     cache_id: str = "") -> SessionRecord:
+        """A new session; `cache_id`: the name its caches take on the services,
+        where it is not the session's id (a copy's, orchestrator.replicas.copy_id)."""
         session_id = uuid.uuid4().hex
         ttl = ttl_s or self.default_ttl_s
         key = self._key(tenant, session_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={
                 "created": time.time(), "ttl": ttl, "messages": json.dumps(messages or []),
-                "draft_len": 0, "target_len": 0,
+                "draft_len": 0, "target_len": 0, **({"cache_id": cache_id} if cache_id else {}),
             })
             pipe.expire(key, ttl)
             pipe.set(f"tandem:owner:{session_id}", tenant, ex=ttl)
             await pipe.execute()
-        return SessionRecord(session_id=session_id, tenant=tenant, tokens=[], messages=list(messages or []), ttl_s=ttl)
+        return SessionRecord(session_id=session_id, tenant=tenant, tokens=[], messages=list(messages or []), ttl_s=ttl,
+                             cache_id=cache_id)
 
     async def _check_owner(self, tenant: str, session_id: str) -> None:
         owner = await self.redis.get(f"tandem:owner:{session_id}")

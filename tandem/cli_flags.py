@@ -364,8 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="let a request bring its own chat template (the HTTP API's chat_template, gRPC's "
                            "ChatMessages.chat_template), which the orchestrator then renders: only where the "
                            "clients are trusted (default: such requests are refused)")
-    orch.add_argument("--draft", default=DEFAULT_DRAFT, help="draft service address (default: %(default)s)")
-    orch.add_argument("--target", default=DEFAULT_TARGET, help="target service address (default: %(default)s)")
+    orch.add_argument("--draft", default=DEFAULT_DRAFT, metavar="HOST:PORT[,HOST:PORT...]",
+                      help="draft service address, or its replicas' addresses, comma-separated: each session's "
+                           "calls go to one replica, the others take its sessions while it is down "
+                           "(default: %(default)s)")
+    orch.add_argument("--target", default=DEFAULT_TARGET, metavar="HOST:PORT[,HOST:PORT...]",
+                      help="target service address, or its replicas' addresses, comma-separated, as --draft "
+                           "(default: %(default)s)")
     orch.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
                       help="Redis for sessions (default: $REDIS_URL or %(default)s)")
     orch.add_argument("--tokenizer", default="", help="tokenizer path or hub id; default the target's; 'none' = ids only")

@@ -114,7 +114,7 @@ class Cluster:
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
                  target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int = 1,
-                 quotas=None, service_tls=None, orchestrator=None):
+                 quotas=None, service_tls=None, orchestrator=None, target_replicas: int = 1, draft_replicas: int = 1):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
@@ -124,7 +124,10 @@ class Cluster:
         # whose verify takes the block alone (no alternatives). service_tls: the
         # model services' tandem.tls.ServerTls ("server") and the orchestrator's
         # service_tls_* settings (ca, cert, key, server_name). orchestrator: more
-        # OrchestratorConfig fields, by name.
+        # OrchestratorConfig fields, by name. target_replicas, draft_replicas:
+        # servers of each service (orchestrator.replicas); self.target and
+        # self.draft are the first's servicers, self.targets and self.drafts
+        # all, self.target_servers and self.draft_servers their gRPC servers.
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -137,7 +140,8 @@ class Cluster:
                            inline_compute=inline_compute, relay=relay, relay_address=relay_address,
                            tree_width=tree_width, target_graphs=target_graphs, prefix_cache=prefix_cache,
                            api_keys_file=api_keys_file, target_batch=target_batch,
-                           quotas=quotas, service_tls=service_tls or {}, orchestrator=orchestrator or {})
+                           quotas=quotas, service_tls=service_tls or {}, orchestrator=orchestrator or {},
+                           target_replicas=target_replicas, draft_replicas=draft_replicas)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -152,19 +156,31 @@ class Cluster:
 
         p = self.params
         cache = CacheConfig(budget_mb=p["cache_mb"], session_ttl_s=0)
-        target, target_port, _, self.target = build_target(
-            "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"], linear=p["target_linear"],
-                                       inline_compute=p["inline_compute"]), cache, graphs=p["target_graphs"],
-            batch_verifies=p["target_batch"], tls=p["service_tls"].get("server"))
-        draft, draft_port, _, self.draft = build_draft(
-            "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"],
-                                       inline_compute=p["inline_compute"]), cache,
-            p["draft_options"] or DraftOptions(), tls=p["service_tls"].get("server"))
-        await target.start()
-        await draft.start()
-        self.servers += [target, draft]
-        self.target_address = f"127.0.0.1:{target_port}"
-        self.draft_address = f"127.0.0.1:{draft_port}"
+        self.targets, self.drafts, self.target_servers, self.draft_servers = [], [], [], []
+        target_addresses, draft_addresses = [], []
+        for _ in range(p["target_replicas"]):
+            target, target_port, _, servicer = build_target(
+                "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"],
+                                           linear=p["target_linear"], inline_compute=p["inline_compute"]),
+                cache, graphs=p["target_graphs"], batch_verifies=p["target_batch"],
+                tls=p["service_tls"].get("server"))
+            await target.start()
+            self.targets.append(servicer)
+            self.target_servers.append(target)
+            target_addresses.append(f"127.0.0.1:{target_port}")
+        for _ in range(p["draft_replicas"]):
+            draft, draft_port, _, servicer = build_draft(
+                "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"],
+                                           inline_compute=p["inline_compute"]), cache,
+                p["draft_options"] or DraftOptions(), tls=p["service_tls"].get("server"))
+            await draft.start()
+            self.drafts.append(servicer)
+            self.draft_servers.append(draft)
+            draft_addresses.append(f"127.0.0.1:{draft_port}")
+        self.target, self.draft = self.targets[0], self.drafts[0]
+        self.servers += self.target_servers + self.draft_servers
+        self.target_address = ",".join(target_addresses)
+        self.draft_address = ",".join(draft_addresses)
         config = OrchestratorConfig(
             draft_address=self.draft_address, target_address=self.target_address, redis_url=p["redis_url"],
             policy=KPolicyConfig(k=p["k"], k_min=1, k_max=8, adaptive=p["adaptive"]), pipeline=p["pipeline"],
@@ -188,7 +204,8 @@ class Cluster:
 
     def stop(self):
         async def stop_all():
-            await self.target.relay.close()
+            for target in self.targets:
+                await target.relay.close()
             for server in self.servers:
                 await server.stop(0)
             await self.orchestrator.close()

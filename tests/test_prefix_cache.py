@@ -11,6 +11,7 @@ import pytest
 
 from orchestrator.config import PrefixCacheConfig
 from orchestrator.prefix_cache import BLOCK, MIN_FORK, PrefixCache, block_digests, worth_taking
+from orchestrator.replicas import route_key
 from orchestrator.store import SessionNotFound, SessionStore
 from tandem import fingerprint
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -138,7 +139,10 @@ def test_a_shorter_common_prefix_is_copied_and_the_parked_session_stays():
         assert cached == 36 and record.tokens == PROMPT[:36]
         assert record.draft_len == record.target_len == 36  # both services hold the copy
         assert cache.forks == [(parked.session_id, record.cache_id, 36, fingerprint.of(PROMPT[:36]))]
-        assert record.session_id != parked.session_id and record.cache_id == record.session_id
+        assert record.session_id != parked.session_id != record.cache_id
+        # The copy's caches are named so that service replicas place them with their source's.
+        assert route_key(record.cache_id) == route_key(parked.cache_id)
+        assert (await store.load(tenant, record.session_id)).cache_id == record.cache_id
         taken, cached = await cache.take(tenant, conversation + NEW)  # the parked one is still there
         assert taken.cache_id == parked.session_id and cached == len(conversation)
         for session in (record, taken):

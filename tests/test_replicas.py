@@ -1,0 +1,315 @@
+"""Several replicas of each model service (orchestrator.replicas): each session's
+calls go to one replica, a replica that goes down hands its sessions to the
+others without changing an output, and replicas of different models are refused."""
+import asyncio
+import math
+
+import grpc
+import pytest
+
+from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
+from orchestrator.config import OrchestratorConfig
+from orchestrator.replicas import Replicas, copy_id, route_key
+from tandem.v1 import common_pb2
+from tests.conftest import Cluster, reference_greedy
+
+KEYS = [f"{i:032x}" for i in range(600)]
+
+
+class _Client:
+    """A replica's client in the unit tests of placement: answers propose with its address."""
+
+    def __init__(self, address, fails=False):
+        self.address, self.fails, self.calls = address, fails, 0
+
+    async def propose(self, session_id, *args):
+        self.calls += 1
+        if self.fails:
+            raise ServiceUnavailable("UNAVAILABLE: connection refused")
+        return self.address
+
+    async def close(self):
+        pass
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+ADDRESSES = [f"10.0.0.{i}:50052" for i in range(6)]
+
+
+def _replicas(n=3, failing=(), clock=None):
+    return Replicas(lambda address: _Client(address, ADDRESSES.index(address) in failing), "target",
+                    ADDRESSES[:n], clock=clock or _Clock())
+
+
+def _placement(replicas):
+    return {key: replicas.replica_for(key).address for key in KEYS}
+
+
+def test_sessions_spread_over_the_replicas_and_a_lost_one_moves_only_its_own():
+    replicas = _replicas()
+    before = _placement(replicas)
+    counts = [list(before.values()).count(address) for address in ADDRESSES[:3]]
+    assert min(counts) > 150, counts  # 200 each expected
+    replicas.replicas[1].down_until = math.inf
+    after = _placement(replicas)
+    assert all(after[key] == before[key] for key in KEYS if before[key] != ADDRESSES[1])
+    assert {after[key] for key in KEYS if before[key] == ADDRESSES[1]} == {ADDRESSES[0], ADDRESSES[2]}
+    # Another orchestrator with the same addresses, in any order, places every session alike.
+    assert _placement(Replicas(_Client, "target", ADDRESSES[2::-1])) == before
+
+
+def test_a_replica_that_joins_takes_only_sessions_of_its_own_and_one_that_leaves_gives_up_only_its():
+    replicas = _replicas(3)
+    before = _placement(replicas)
+
+    async def scenario():
+        replicas.update(ADDRESSES[:4])  # a DNS name's new address
+        joined = _placement(replicas)
+        moved = [key for key in KEYS if joined[key] != before[key]]
+        assert moved and all(joined[key] == ADDRESSES[3] for key in moved)
+        assert 75 < len(moved) < 225  # a quarter of 600 expected
+        replicas.update([ADDRESSES[0], ADDRESSES[2], ADDRESSES[3]])  # ADDRESSES[1] left
+        left = _placement(replicas)
+        assert all(left[key] == joined[key] for key in KEYS if joined[key] != ADDRESSES[1])
+        replicas.update([])
+        with pytest.raises(ServiceUnavailable, match="resolves to no address"):
+            await replicas.propose(KEYS[0], None)
+        await replicas.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_is_placed_with_its_source_and_so_is_a_copy_of_a_copy():
+    replicas = _replicas(5)
+    for key in KEYS[:100]:
+        copy = copy_id(key)
+        assert copy != key and route_key(copy) == key
+        assert replicas.replica_for(copy) is replicas.replica_for(key) is replicas.replica_for(copy_id(copy))
+
+
+def test_a_replica_that_does_not_answer_fails_the_call_as_a_cache_miss_then_takes_none():
+    clock = _Clock()
+    replicas = _replicas(2, failing={0}, clock=clock)
+    key = next(key for key in KEYS if replicas.replica_for(key).address == ADDRESSES[0])
+    first, second = (replica.client for replica in replicas.replicas)
+
+    async def scenario():
+        with pytest.raises(ServiceCacheMiss):  # the decoder re-syncs the whole prefix...
+            await replicas.propose(key, None)
+        assert await replicas.propose(key, None) == ADDRESSES[1]  # ...which goes to the other replica
+        assert first.calls == 1
+        clock.now += 10  # after DOWN_S, the session's own replica is tried again
+        first.fails = False
+        assert await replicas.propose(key, None) == ADDRESSES[0]
+        first.fails = second.fails = True
+        with pytest.raises(ServiceCacheMiss):
+            await replicas.propose(key, None)
+        with pytest.raises(ServiceUnavailable):  # the last one: the service is down, as with one replica
+            await replicas.propose(key, None)
+
+    asyncio.run(scenario())
+
+
+def test_a_crowded_replica_takes_no_copies():
+    replicas = _replicas(2)
+    a, b = replicas.replicas
+    on_a = [key for key in KEYS if replicas.replica_for(key) is a]
+    on_b = [key for key in KEYS if replicas.replica_for(key) is b]
+    for key in on_a[:2]:
+        a.running[key] = 1
+    assert not replicas.crowded(on_a[0]) and not replicas.crowded(on_b[0])  # 2 <= 2 * 0 + 2
+    a.running[on_a[2]] = 2
+    assert replicas.crowded(on_a[0]) and replicas.crowded(copy_id(on_a[0]))  # 3 > 2 * 0 + 2
+    assert not replicas.crowded(on_b[0])
+    b.running[on_b[0]] = 1
+    assert not replicas.crowded(on_a[0])  # 3 <= 2 * 1 + 2
+
+
+def test_a_session_counts_on_its_replica_while_its_call_runs():
+    replicas = _replicas(2)
+    key = KEYS[0]
+    replica = replicas.replica_for(key)
+    release = asyncio.Event()
+
+    async def scenario():
+        async def slow(client):
+            await release.wait()
+            return client.address
+
+        calls = [asyncio.create_task(replicas._call(key, slow)) for _ in range(2)]
+        copy_call = asyncio.create_task(replicas._call(copy_id(key), slow))
+        await asyncio.sleep(0)
+        assert replicas.active(replica) == 1 and replica.running == {key: 3}  # one session, three calls
+        release.set()
+        await asyncio.gather(*calls, copy_call)
+        assert replicas.active(replica) == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(target_address="a:1,,b:2"), "an empty address"),
+    (dict(draft_address="a:1,a:1"), "an address given twice"),
+    (dict(target_address="a:1,b:2", relay=True), "--relay on"),
+    (dict(target_address="dns:///tandem-target:50052", relay=True), "--relay on"),
+    (dict(target_address="dns:///tandem-target"), "dns:///NAME:PORT"),
+    (dict(draft_address="dns:///a:1,b:2"), "dns:///NAME:PORT"),
+])
+def test_bad_replica_lists_are_refused(fields, words):
+    with pytest.raises(ValueError, match=words):
+        OrchestratorConfig(**{"draft_address": "d:1", "target_address": "t:1", **fields})
+
+
+# --- end to end: real services, real gRPC, real Redis ---------------------------
+@pytest.fixture(scope="module")
+def replica_cluster(tiny_models, near_draft):
+    cluster = Cluster(tiny_models["target"], near_draft, target_replicas=2, draft_replicas=2, relay=False)
+    yield cluster
+    cluster.stop()
+
+
+def _holders(servicers, cache_id):
+    return [i for i, servicer in enumerate(servicers) if cache_id in servicer.store]
+
+
+def test_sessions_spread_over_both_replicas_and_every_output_equals_the_target_alone(replica_cluster, tiny_models):
+    prompts = [[(7 * i + 3 * j) % 120 + 1 for j in range(9)] for i in range(16)]
+    calls_before = [s.calls for s in replica_cluster.targets + replica_cluster.drafts]
+    with replica_cluster.client() as client:
+        results = [client.generate(prompt_ids=prompt, max_tokens=12) for prompt in prompts]
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 12)
+        assert result.stats.cache_misses == 0 and result.stats.undrafted_rounds == 0
+    calls = [s.calls - before for s, before in zip(replica_cluster.targets + replica_cluster.drafts, calls_before)]
+    assert all(calls), calls  # 16 sessions: all on one replica by chance once in 2**15
+
+
+def test_a_session_keeps_its_replicas_from_turn_to_turn(replica_cluster, tiny_models):
+    with replica_cluster.client() as client:
+        session = client.create_session()
+        first = client.chat(session, message_ids=[11, 22, 33, 44, 55, 66, 77], max_tokens=10)
+        second = client.chat(session, message_ids=[5, 6, 7, 8], max_tokens=10)
+        assert len(_holders(replica_cluster.targets, session)) == len(_holders(replica_cluster.drafts, session)) == 1
+        client.delete_session(session)
+    assert second.stats.cache_misses == 0
+    assert second.stats.target_prefill_tokens <= 4 + second.stats.rounds  # the new turn, not the history
+    history = [11, 22, 33, 44, 55, 66, 77] + first.token_ids + [5, 6, 7, 8]
+    assert second.token_ids == reference_greedy(tiny_models["target"], history, 10)
+
+
+def test_a_copy_of_a_parked_prompt_is_made_on_its_replicas(replica_cluster, tiny_models):
+    own = [(19 * i + 7) % 120 + 1 for i in range(40)]
+    shared = own[:36] + [9, 8, 7, 6, 5, 4, 3, 2, 1, 10] * 5  # less than half the parked tokens: a copy
+    forks_before = sum(s.store.counters.forks for s in replica_cluster.targets)
+    with replica_cluster.client() as client:
+        client.generate(prompt_ids=own, max_tokens=60)  # parked: 100 tokens, of which 36 in common
+        copied = client.generate(prompt_ids=shared, max_tokens=10)
+    assert copied.cached_prompt_tokens == 36 and copied.stats.cache_misses == 0
+    assert copied.token_ids == reference_greedy(tiny_models["target"], shared, 10)
+    assert sum(s.store.counters.forks for s in replica_cluster.targets) == forks_before + 1
+
+
+def test_replicas_of_different_models_are_refused(replica_cluster, tiny_models):
+    from orchestrator.server import OrchestratorServicer, PairingError
+    from target_service.server import build_server as build_target
+    from tests.conftest import DEVICE, CacheConfig, ModelConfig
+
+    async def connect():
+        other, port, _, _ = build_target("127.0.0.1:0", ModelConfig(tiny_models["other"], device=DEVICE,
+                                                                    dtype="float32"), CacheConfig())
+        await other.start()
+        first_target = replica_cluster.target_address.split(",")[0]
+        servicer = OrchestratorServicer(OrchestratorConfig(draft_address=replica_cluster.draft_address,
+                                                           target_address=f"{first_target},127.0.0.1:{port}"))
+        try:
+            await servicer.connect()
+        finally:
+            await servicer.close()
+            await other.stop(0)
+
+    with pytest.raises(PairingError, match="the target replicas serve different models") as err:
+        replica_cluster.run(connect())
+    assert tiny_models["other"] in str(err.value) and tiny_models["target"] in str(err.value)
+
+
+def test_a_replica_that_goes_down_hands_its_sessions_over_and_nothing_changes(tiny_models, near_draft):
+    cluster = Cluster(tiny_models["target"], near_draft, target_replicas=2, draft_replicas=2, relay=False)
+    turn1, turn2 = [11, 22, 33, 44, 55, 66, 77], [5, 6, 7, 8]
+    try:
+        with cluster.client() as client:
+            sessions = [client.create_session() for _ in range(6)]
+            firsts = [client.chat(session, message_ids=turn1, max_tokens=8) for session in sessions]
+            # The target replica and the draft replica of the first session go down.
+            target, = _holders(cluster.targets, sessions[0])
+            draft, = _holders(cluster.drafts, sessions[0])
+            cluster.run(cluster.target_servers[target].stop(0))
+            cluster.run(cluster.draft_servers[draft].stop(0))
+            seconds = [client.chat(session, message_ids=turn2, max_tokens=8) for session in sessions]
+            for session, first, second in zip(sessions, firsts, seconds):
+                history = turn1 + first.token_ids + turn2
+                assert second.token_ids == reference_greedy(tiny_models["target"], history, 8)
+                assert second.stats.undrafted_rounds == 0  # drafted by the other draft replica
+                assert session in cluster.targets[1 - target].store  # (the stopped one's store is still there)
+            assert seconds[0].stats.cache_misses >= 2  # one per service: each moved and re-synced
+            # Stateless requests go on too, whichever replica they would have had.
+            for i in range(6):
+                prompt = [(5 * i + j) % 120 + 1 for j in range(8)]
+                assert client.generate(prompt_ids=prompt, max_tokens=6).token_ids == reference_greedy(
+                    tiny_models["target"], prompt, 6)
+            # With no target replica left, a request fails as with one target down.
+            cluster.run(cluster.target_servers[1 - target].stop(0))
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(prompt_ids=turn1, max_tokens=4)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        cluster.stop()
+
+
+def test_each_replica_reports_its_own_stats(replica_cluster):
+    from orchestrator.backends import GrpcVerifier
+
+    async def stats():
+        replicas = Replicas(GrpcVerifier, "target", replica_cluster.target_address.split(","))
+        try:
+            return await replicas.stats()
+        finally:
+            await replicas.close()
+
+    found = replica_cluster.run(stats())
+    assert len(found) == 2 and all(isinstance(s, common_pb2.ServiceStats) for s in found)
+
+
+def test_a_dns_name_of_replicas_is_looked_up_and_served(replica_cluster, tiny_models):
+    """dns:///localhost:PORT: the replicas are the addresses the name resolves
+    to (127.0.0.1, and ::1 where the hosts file has it, where nothing listens:
+    a replica that does not answer, whose sessions go to the other)."""
+    from orchestrator.server import build_server
+    from tandem.client import TandemClient
+
+    port = replica_cluster.target_address.split(",")[0].rpartition(":")[2]
+    config = OrchestratorConfig(draft_address=replica_cluster.draft_address,
+                                target_address=f"dns:///localhost:{port}")
+
+    async def start():
+        server, orch_port, _, servicer = build_server("127.0.0.1:0", config)
+        await server.start()
+        return server, orch_port, servicer
+
+    server, orch_port, servicer = replica_cluster.run(start())
+    try:
+        with TandemClient(f"127.0.0.1:{orch_port}", timeout_s=120) as client:
+            for i in range(6):
+                prompt = [(11 * i + j) % 120 + 1 for j in range(8)]
+                assert client.generate(prompt_ids=prompt, max_tokens=8).token_ids == reference_greedy(
+                    tiny_models["target"], prompt, 8)
+        assert "127.0.0.1:" + port in [r.address for r in servicer.verifier.replicas]  # looked up at pairing
+    finally:
+        replica_cluster.run(server.stop(0))
+        replica_cluster.run(servicer.close())
