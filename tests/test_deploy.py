@@ -59,6 +59,14 @@ def test_each_service_exposes_its_deployments_named_ports():
 def _with_component(tmp_path, component: str) -> tuple[dict, dict]:
     """The cpu overlay with a component, rendered by kustomize: the
     orchestrator's pod spec and its container."""
+    docs = _rendered(tmp_path, component)
+    orchestrator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tandem-orchestrator")
+    spec = orchestrator["spec"]["template"]["spec"]
+    return spec, spec["containers"][0]
+
+
+def _rendered(tmp_path, component: str) -> list[dict]:
+    """The cpu overlay with a component, rendered by kustomize: its documents."""
     overlay = tmp_path / "overlay"
     overlay.mkdir()
     relative = Path(os.path.relpath(K8S, overlay))
@@ -67,10 +75,7 @@ def _with_component(tmp_path, component: str) -> tuple[dict, dict]:
         f"resources: [{relative / 'overlays' / 'cpu'}]\ncomponents: [{relative / 'components' / component}]\n")
     rendered = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
     assert rendered.returncode == 0, rendered.stderr
-    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
-    orchestrator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tandem-orchestrator")
-    spec = orchestrator["spec"]["template"]["spec"]
-    return spec, spec["containers"][0]
+    return [d for d in yaml.safe_load_all(rendered.stdout) if d]
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to render")
@@ -124,3 +129,25 @@ def test_the_tls_component_gives_the_orchestrator_its_certificate_and_probes_it_
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": http, "scheme": "HTTPS"}, probe
         assert "grpc" not in container[probe]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (kustomize) to render")
+def test_the_replicas_component_points_the_orchestrator_at_headless_services_of_several_pods(tmp_path):
+    """components/replicas: the target's and the draft's Services are headless
+    (their names resolve to every ready pod), each Deployment runs two pods, and
+    the orchestrator's --target and --draft are those names as dns:/// replicas
+    on the Services' gRPC ports."""
+    from orchestrator.config import OrchestratorConfig, dns_target
+
+    docs = _rendered(tmp_path, "replicas")
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    args = build_parser().parse_args(deployments["tandem-orchestrator"]["spec"]["template"]["spec"]
+                                     ["containers"][0]["args"])
+    for role, address in (("target", args.target), ("draft", args.draft)):
+        host, port = dns_target(address)
+        service = services[host]
+        assert service["spec"]["clusterIP"] == "None" and deployments[host]["spec"]["replicas"] == 2
+        assert port in [p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"], role
+    assert services["tandem-orchestrator"]["spec"].get("clusterIP") != "None"
+    OrchestratorConfig(draft_address=args.draft, target_address=args.target)  # accepted as replicas
