@@ -39,6 +39,7 @@ from typing import Callable
 
 from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import DNS_PREFIX, dns_target, split_addresses
+from tandem import telemetry
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,7 @@ class Replicas:
             if not any(self.usable(other) for other in self.replicas):
                 raise
             self.moves += 1
+            telemetry.instruments().replica_failovers.add(1, {"service": self.role})
             log.warning("%s replica %s did not answer (%s): its sessions move to the others for %gs",
                         self.role, replica.address, err, DOWN_S)
             raise ServiceCacheMiss(f"{self.role} replica {replica.address} unavailable: {err}") from None
@@ -255,6 +257,8 @@ class Replicas:
             if self._refresher is None:
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
         replicas = list(self.replicas)
+        if not replicas:
+            raise ServiceUnavailable(f"no {self.role} replica: {self.address} resolves to no address")
         answers = await asyncio.gather(*(replica.client.model_info() for replica in replicas),
                                        return_exceptions=True)
         for answer in answers:

@@ -109,6 +109,9 @@ class Instruments:
         self.predraft_hits = counter("tandem.predraft.hits", "{draft}", "pre-drafted blocks used by the next round")
         self.undrafted_rounds = counter("tandem.rounds.undrafted", "{round}",
                                         "rounds decoded on the target alone: the draft service was unavailable")
+        self.replica_failovers = counter("tandem.replica.failovers", "{call}", (
+            "model calls a replica did not answer, whose sessions went to another replica, by service "
+            "(orchestrator.replicas)"))
         self.alternative_rounds = counter("tandem.rounds.alternative", "{round}",
                                           "rounds that took an alternative verified beside their block (--tree-width)")
         # orchestrator: per-round and per-request distributions

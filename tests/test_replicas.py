@@ -6,10 +6,13 @@ import math
 
 import grpc
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import OrchestratorConfig
 from orchestrator.replicas import Replicas, copy_id, route_key
+from tandem import telemetry
 from tandem.v1 import common_pb2
 from tests.conftest import Cluster, reference_greedy
 
@@ -104,7 +107,7 @@ def test_a_replica_that_does_not_answer_fails_the_call_as_a_cache_miss_then_take
         with pytest.raises(ServiceCacheMiss):  # the decoder re-syncs the whole prefix...
             await replicas.propose(key, None)
         assert await replicas.propose(key, None) == ADDRESSES[1]  # ...which goes to the other replica
-        assert first.calls == 1
+        assert first.calls == 1 and replicas.moves == 1
         clock.now += 10  # after DOWN_S, the session's own replica is tried again
         first.fails = False
         assert await replicas.propose(key, None) == ADDRESSES[0]
@@ -114,7 +117,15 @@ def test_a_replica_that_does_not_answer_fails_the_call_as_a_cache_miss_then_take
         with pytest.raises(ServiceUnavailable):  # the last one: the service is down, as with one replica
             await replicas.propose(key, None)
 
-    asyncio.run(scenario())
+    reader = InMemoryMetricReader()
+    telemetry.install(None, MeterProvider([reader]))
+    try:
+        asyncio.run(scenario())
+        points = [point for metric in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+                  if metric.name == "tandem.replica.failovers" for point in metric.data.data_points]
+    finally:
+        telemetry.install()
+    assert [(dict(p.attributes), p.value) for p in points] == [({"service": "target"}, 2)]
 
 
 def test_a_crowded_replica_takes_no_copies():
