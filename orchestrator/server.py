@@ -264,21 +264,33 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         # A stateless prompt is shared once both services hold it (PrefixCache.share):
         # from the first event on, before the caller sees it.
         shares = self.prefix_cache is not None and not request.keep_session and params.prompt_logprobs is None
-        shared = finished = False
+        shared = finished = ended = False
+        final = None
         try:
             async with contextlib.aclosing(self._stream(context, generation, record, prompt[cached:], params,
                                                         TurnOutcome() if keeps_history else None, method="Generate",
                                                         added=[] if keeps_history else None, cached=cached)) as events:
                 async for event in events:
                     finished = event.HasField("final")
+                    if finished and not request.keep_session:
+                        final = event  # held back until the session is parked (below)
+                        continue
                     if shares and not shared and not finished:
                         shared = True
                         await self._share(record, prompt)
                     yield event
+            if final is not None:
+                # The session is parked (or deleted) before the caller has the final
+                # event, so that a next turn sent on it finds the session parked.
+                ended = True
+                try:
+                    await asyncio.shield(self._end_stateless(record, True, prompt if shared else None))
+                except Exception:  # noqa: BLE001 (Redis failed: the session expires; the answer is whole)
+                    log.warning("could not park or delete session %s", record.session_id, exc_info=True)
+                yield final
         finally:
-            if not request.keep_session:
-                # Shielded: a client that cancels once it has the final event (the
-                # HTTP API's, say) does not leave the session behind.
+            if not request.keep_session and not ended:
+                # Shielded: a client that cancels mid-way does not leave the session behind.
                 await asyncio.shield(self._end_stateless(record, finished, prompt if shared else None))
 
     @store_unavailable

@@ -7,6 +7,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import openai
 import pytest
@@ -752,3 +753,33 @@ def test_http_requests_are_counted_by_route_and_status(http, recorded):
     }
     timed = points["tandem.http.duration"][frozenset({("method", "POST"), ("route", "/v1/completions")})]
     assert timed.count == 3 and timed.sum > 0
+
+
+def test_each_turn_of_a_conversation_resent_at_once_reuses_the_one_before(http):
+    """The gateway answers as soon as the orchestrator's final event comes; the
+    orchestrator parks the session before it sends that event, so a client that
+    sends the next turn at once always finds the last one parked (--prefix-cache)."""
+    import asyncio
+
+    cluster, base, tokenizer = http
+    cache = cluster.orchestrator.prefix_cache
+
+    async def slow_park(record):  # a Redis under load: parking takes a while
+        await asyncio.sleep(0.2)
+        return await type(cache).park(cache, record)
+
+    cache.park = slow_park
+    messages = [{"role": "system", "content": SYSTEM + " Keep to one line of code."}]
+    tenant = {"x-tandem-tenant": f"turns-{uuid.uuid4().hex[:8]}"}
+    try:
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"step {turn}: print {turn}"})
+            answer = client(base, **tenant).chat.completions.create(
+                model="tandem-tiny", messages=messages, max_tokens=6, temperature=0)
+            if turn:
+                cached = answer.usage.prompt_tokens_details.cached_tokens
+                last_prompt = tokenizer.apply_chat_template(messages[:-2], tokenize=False, add_generation_prompt=True)
+                assert cached >= len(tokenizer.encode(last_prompt)), (turn, cached)  # the turn before, at least
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+    finally:
+        del cache.park
