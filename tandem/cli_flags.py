@@ -521,9 +521,15 @@ def _add_ray_commands(sub) -> None:
         up.add_argument(f"--{role}-args", default="", metavar="ARGS",
                         help=f"more flags of 'tandem serve {role}', as one string (e.g. \"{example}\"; "
                              "default: none)")
+    up.add_argument("--target-replicas", type=_int_in(1, 64), default=1, metavar="N",
+                    help="replicas of the target, each an actor with its own bundle; the orchestrator spreads "
+                         "sessions over them (README: Replicas of the model services) (default: %(default)s)")
+    up.add_argument("--draft-replicas", type=_int_in(1, 64), default=1, metavar="N",
+                    help="replicas of the draft, as --target-replicas (default: %(default)s)")
     up.add_argument("--gpus-per-service", default="auto", metavar="N|auto",
-                    help="GPUs for the target and for the draft (fractions share one); auto: 1 with two or more "
-                         "GPUs in the cluster, 0.5 with one, else 0 (CPU) (default: %(default)s)")
+                    help="GPUs for each replica of the target and of the draft (fractions share one); auto: 1 "
+                         "where the cluster has a GPU for each, else an equal share of one (0.5 for the two "
+                         "services on one GPU), 0 without GPUs (CPU) (default: %(default)s)")
     up.add_argument("--cpus-per-service", type=float, default=1.0,
                     help="CPUs Ray reserves for the target and for the draft (default: %(default)s)")
     up.add_argument("--placement", choices=list(PLACEMENTS), default="spread",

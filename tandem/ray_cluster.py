@@ -12,7 +12,10 @@ model services, how an orchestrator started elsewhere finds them
 reads. A service process that dies is started again on the same port by its
 actor, so that the callers' channels reconnect to it; `tandem ray down`
 stops the processes (a graceful drain), kills the actors and frees the
-placement group.
+placement group. With --target-replicas or --draft-replicas, a model service
+runs as several actors, each with its own bundle: replica i > 0 of the target
+is the slot "target-i" (its actor NAME-target-i, its Redis field target-i),
+and the orchestrators get every replica's address (orchestrator.replicas).
 
 Ray is imported only here, and only by these commands."""
 from __future__ import annotations
@@ -20,7 +23,9 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -43,9 +48,29 @@ def registry_key(name: str) -> str:
     return f"tandem:ray:{name}"
 
 
+def slots(role: str, replicas: int) -> list[str]:
+    """A service's replicas' slots: the role for the first, then role-1, role-2, ..."""
+    return [role] + [f"{role}-{i}" for i in range(1, replicas)]
+
+
+def slot_role(slot: str) -> str:
+    return re.sub(r"-\d+$", "", slot)
+
+
+def _slot_order(slot: str) -> int:
+    return int(slot.rpartition("-")[2]) if slot != slot_role(slot) else 0
+
+
+def joined(fields: dict[str, str], role: str) -> str:
+    """Every registered replica's address of a role, in slot order, comma-separated."""
+    found = sorted((slot for slot in fields if slot_role(slot) == role), key=_slot_order)
+    return ",".join(fields[slot] for slot in found)
+
+
 def discover(redis_url: str, name: str, wait_s: float = 0.0) -> dict[str, str]:
     """The deployment's registered addresses (field: target, draft,
-    orchestrator, http), waiting up to wait_s for the target and the draft."""
+    orchestrator, http; target and draft list every replica, comma-separated),
+    waiting up to wait_s for the target and the draft."""
     client = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=10)
     deadline = time.monotonic() + wait_s
     try:
@@ -60,15 +85,17 @@ def discover(redis_url: str, name: str, wait_s: float = 0.0) -> dict[str, str]:
     if missing:
         raise ValueError(f"the Ray deployment {name!r} has no {' and no '.join(missing)} service registered in "
                          f"Redis ({registry_key(name)}): is it up (tandem ray up --name {name})?")
-    return found
+    return {**{k: v for k, v in found.items() if k in ROLES or k == "http"},
+            "target": joined(found, "target"), "draft": joined(found, "draft")}
 
 
 class ServiceSupervisor:
     """A Ray actor's body: one Tandem service's process on the actor's node,
     started again on the same port when it dies, until `stop`."""
 
-    def __init__(self, role: str, argv: list[str], name: str, redis_url: str):
+    def __init__(self, role: str, argv: list[str], name: str, redis_url: str, slot: str = ""):
         self.role, self.argv, self.name, self.redis_url = role, list(argv), name, redis_url
+        self.slot = slot or role  # its Redis field: role, or role-i for a replica i > 0
         self.process: subprocess.Popen | None = None
         self.port = 0  # chosen by the first start (--port 0), kept by the next ones
         self.http_port = 0
@@ -128,7 +155,7 @@ class ServiceSupervisor:
         import ray
 
         host = ray.util.get_node_ip_address()
-        fields = {self.role: f"{host}:{self.port}"}
+        fields = {self.slot: f"{host}:{self.port}"}
         if self.http_port:
             fields["http"] = f"{host}:{self.http_port}"
         client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=5, socket_timeout=10)
@@ -188,12 +215,27 @@ def _connect(ray, address: str) -> None:
                         "or give --address (or $RAY_ADDRESS)") from err
 
 
-def _gpus_per_service(choice: str, cluster_gpus: float) -> float:
+def _gpus_per_service(choice: str, cluster_gpus: float, services: int = 2) -> float:
+    """auto: a GPU each where the cluster has one for every model service, else
+    an equal share of one, as few sharing a GPU as the GPUs allow; 0 on CPUs."""
     if choice != "auto":
         return float(choice)
-    if cluster_gpus >= 2:
-        return 1.0
-    return 0.5 if cluster_gpus >= 1 else 0.0  # one GPU: both services share it
+    if cluster_gpus < 1:
+        return 0.0
+    return 1.0 / math.ceil(services / math.floor(cluster_gpus))
+
+
+def _actors(ray, name: str) -> dict[str, object]:
+    """The deployment's actors by slot (target, target-1, draft, orchestrator, ...)."""
+    pattern = re.compile(rf"{re.escape(name)}-((?:{'|'.join(ROLES)})(?:-\d+)?)")
+    found = {}
+    for actor_name in ray.util.list_named_actors():
+        if (match := pattern.fullmatch(actor_name)) is not None:
+            try:
+                found[match.group(1)] = ray.get_actor(actor_name, namespace=NAMESPACE)
+            except ValueError:
+                continue  # gone meanwhile
+    return found
 
 
 def _with_default(argv: list[str], flag: str, value: str) -> list[str]:
@@ -206,22 +248,19 @@ def up(args) -> int:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     _connect(ray, args.address)
-    for role in ROLES:
-        try:
-            ray.get_actor(f"{args.name}-{role}", namespace=NAMESPACE)
-        except ValueError:
-            continue
-        print(f"tandem ray up: a deployment {args.name!r} is up already (its {role}); take it down first "
-              f"(tandem ray down --name {args.name}) or choose another --name", file=sys.stderr)
+    if existing := _actors(ray, args.name):
+        print(f"tandem ray up: a deployment {args.name!r} is up already (its {', '.join(sorted(existing))}); take "
+              f"it down first (tandem ray down --name {args.name}) or choose another --name", file=sys.stderr)
         return 2
-    gpus = _gpus_per_service(args.gpus_per_service, ray.cluster_resources().get("GPU", 0.0))
+    services = [*slots("target", args.target_replicas), *slots("draft", args.draft_replicas)]
+    gpus = _gpus_per_service(args.gpus_per_service, ray.cluster_resources().get("GPU", 0.0), len(services))
     bundle = {"CPU": args.cpus_per_service, **({"GPU": gpus} if gpus else {})}
-    group = placement_group([bundle, bundle], strategy=PLACEMENTS[args.placement], name=f"{args.name}-services",
-                            lifetime="detached")
-    print(f"waiting for room: two bundles of {bundle}, {args.placement} ...", file=sys.stderr, flush=True)
+    group = placement_group([bundle] * len(services), strategy=PLACEMENTS[args.placement],
+                            name=f"{args.name}-services", lifetime="detached")
+    print(f"waiting for room: {len(services)} bundles of {bundle}, {args.placement} ...", file=sys.stderr, flush=True)
     if not group.wait(args.timeout):
         remove_placement_group(group)
-        print(f"tandem ray up: Ray found no room for two bundles of {bundle} ({args.placement}) in "
+        print(f"tandem ray up: Ray found no room for {len(services)} bundles of {bundle} ({args.placement}) in "
               f"{args.timeout:.0f} s; the cluster has {ray.cluster_resources()}", file=sys.stderr)
         return 2
     supervisor = ray.remote(ServiceSupervisor)
@@ -232,15 +271,17 @@ def up(args) -> int:
     }
     actors = {}
     try:
-        for index, role in enumerate(("target", "draft")):
-            actors[role] = supervisor.options(
-                name=f"{args.name}-{role}", lifetime="detached", num_cpus=args.cpus_per_service, num_gpus=gpus,
+        for index, slot in enumerate(services):
+            role = slot_role(slot)
+            actors[slot] = supervisor.options(
+                name=f"{args.name}-{slot}", lifetime="detached", num_cpus=args.cpus_per_service, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-            ).remote(role, argv[role], args.name, args.redis_url)
-        print("starting the target and the draft ...", file=sys.stderr, flush=True)
-        found = {}
-        for fields in ray.get([actors[role].start.remote(args.timeout) for role in ("target", "draft")]):
-            found.update(fields)
+            ).remote(role, argv[role], args.name, args.redis_url, slot)
+        print(f"starting {', '.join(services)} ...", file=sys.stderr, flush=True)
+        registered = {}
+        for fields in ray.get([actors[slot].start.remote(args.timeout) for slot in services]):
+            registered.update(fields)
+        found = {"target": joined(registered, "target"), "draft": joined(registered, "draft")}
         orchestrator = [*shlex.split(args.orchestrator_args)]
         orchestrator = _with_default(orchestrator, "--tokenizer", args.draft_model)  # the pair shares one
         orchestrator = _with_default(orchestrator, "--http-port", "0")
@@ -260,23 +301,17 @@ def up(args) -> int:
 
 def _take_down(ray, name: str, redis_url: str, actors: dict | None = None) -> list[str]:
     """Stops the deployment's services (orchestrator first), kills their
-    actors, frees the placement group and the registry; returns the roles found."""
+    actors, frees the placement group and the registry; returns the slots found."""
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
-    found = []
-    for role in reversed(ROLES):
-        actor = (actors or {}).get(role)
-        if actor is None:
-            try:
-                actor = ray.get_actor(f"{name}-{role}", namespace=NAMESPACE)
-            except ValueError:
-                continue
-        found.append(role)
+    actors = {**_actors(ray, name), **(actors or {})}
+    found = sorted(actors, key=lambda slot: (-ROLES.index(slot_role(slot)), _slot_order(slot)))
+    for slot in found:
         try:
-            ray.get(actor.stop.remote(), timeout=60)
+            ray.get(actors[slot].stop.remote(), timeout=60)
         except ray.exceptions.RayError as err:
-            log.warning("the %s actor did not stop its service: %s", role, err)
-        ray.kill(actor)
+            log.warning("the %s actor did not stop its service: %s", slot, err)
+        ray.kill(actors[slot])
     try:
         remove_placement_group(get_placement_group(f"{name}-services"))
     except ValueError:
@@ -311,14 +346,12 @@ def status(args) -> int:
     finally:
         client.close()
     services = {}
-    for role in ROLES:
-        try:
-            actor = ray.get_actor(f"{args.name}-{role}", namespace=NAMESPACE)
-        except ValueError:
-            continue
-        services[role] = {**ray.get(actor.status.remote(), timeout=30), "address": addresses.get(role)}
+    actors = _actors(ray, args.name)
+    for slot in sorted(actors, key=lambda slot: (ROLES.index(slot_role(slot)), _slot_order(slot))):
+        services[slot] = {**ray.get(actors[slot].status.remote(), timeout=30), "address": addresses.get(slot)}
     print(json.dumps({"name": args.name, "services": services, "http": addresses.get("http")}))
     if not services:
         print(f"tandem ray status: no deployment {args.name!r} on this Ray cluster", file=sys.stderr)
         return 1
-    return 0 if all(s["alive"] for s in services.values()) and len(services) == len(ROLES) else 3
+    whole = {slot_role(slot) for slot in services} == set(ROLES)
+    return 0 if whole and all(s["alive"] for s in services.values()) else 3

@@ -87,10 +87,12 @@ def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(cha
     common = ("--address", ray_head, "--name", name, "--redis-url", REDIS_URL)
     up = _tandem("ray", "up", *common, "--target-model", char_models["target"], "--draft-model", char_models["draft"],
                  "--target-args", "--threads 1", "--draft-args", "--threads 1", "--gpus-per-service", "0",
-                 "--timeout", "300")
+                 "--target-replicas", "2", "--cpus-per-service", "0.5", "--timeout", "300")
     assert up.returncode == 0, up.stderr
     placed = json.loads(up.stdout.strip().splitlines()[-1])
     assert set(placed) >= {"name", "target", "draft", "orchestrator", "http"}
+    targets = placed["target"].split(",")  # two replicas of the target (orchestrator.replicas)
+    assert len(set(targets)) == 2 and "," not in placed["draft"]
     expected = reference_greedy(char_models["target"], PROMPT, 16)
     outside = None
     try:
@@ -99,12 +101,12 @@ def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(cha
         with urllib.request.urlopen(f"http://{placed['http']}/health", timeout=30) as reply:
             assert json.load(reply)["status"] == "ok"
         registry = redis.Redis.from_url(REDIS_URL).hgetall(f"tandem:ray:{name}")
-        assert {k.decode(): v.decode() for k, v in registry.items()} == {k: placed[k] for k in
-                                                                        ("target", "draft", "orchestrator", "http")}
+        assert {k.decode(): v.decode() for k, v in registry.items()} == {
+            "target": targets[0], "target-1": targets[1], **{k: placed[k] for k in ("draft", "orchestrator", "http")}}
         again = _tandem("ray", "up", *common, "--gpus-per-service", "0", timeout=120)
         assert again.returncode == 2 and "is up already" in again.stderr  # and the one up is left as it was
         code, status = _status(ray_head, name)
-        assert code == 0 and set(status["services"]) == {"target", "draft", "orchestrator"}
+        assert code == 0 and set(status["services"]) == {"target", "target-1", "draft", "orchestrator"}
         assert all(s["alive"] and s["restarts"] == 0 for s in status["services"].values())
 
         # An orchestrator started elsewhere finds the model services through Redis.
@@ -116,9 +118,14 @@ def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(cha
         with TandemClient(ready.split()[-1], timeout_s=120) as client:
             assert client.generate(prompt_ids=PROMPT, max_tokens=16).token_ids == expected
 
-        # The target's process dies: its actor starts it again on the same port, and requests go on.
+        # A target replica's process dies: the other takes its sessions at once, and its
+        # actor starts it again on the same port.
         target_pid = status["services"]["target"]["pid"]
         subprocess.run(["kill", "-9", str(target_pid)], check=True)
+        with TandemClient(placed["orchestrator"], timeout_s=120) as client:
+            for i in range(4):
+                assert client.generate(prompt_ids=PROMPT[i:], max_tokens=16).token_ids == reference_greedy(
+                    char_models["target"], PROMPT[i:], 16)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             code, status = _status(ray_head, name)
@@ -127,7 +134,7 @@ def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(cha
                 break
             time.sleep(1)
         assert target["alive"] and target["restarts"] == 1 and target["pid"] != target_pid, status
-        assert target["address"] == placed["target"]
+        assert target["address"] == targets[0]
         with TandemClient(placed["orchestrator"], timeout_s=120) as client:
             for _ in range(30):  # the orchestrator's channel reconnects within seconds
                 try:
@@ -145,6 +152,7 @@ def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(cha
         down = _tandem("ray", "down", *common, timeout=300)
     assert down.returncode == 0, down.stderr
     assert redis.Redis.from_url(REDIS_URL).exists(f"tandem:ray:{name}") == 0
+    assert "target-1" in down.stderr  # every replica stopped
     code, status = _status(ray_head, name)
     assert code == 1 and status["services"] == {}
     with TandemClient(placed["orchestrator"], timeout_s=5) as client:
