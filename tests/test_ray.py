@@ -160,3 +160,22 @@ def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(cha
             client.generate(prompt_ids=PROMPT, max_tokens=2)
         assert gone.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert _tandem("ray", "down", *common, timeout=300).returncode == 1  # nothing left to take down
+
+
+def test_gpus_and_slots_for_replicas():
+    from tandem.ray_cluster import _gpus_per_service, discover, joined, slots
+
+    assert [_gpus_per_service("auto", gpus, services) for gpus, services in
+            ((0, 2), (1, 2), (2, 2), (2, 3), (4, 3), (1, 3), (3, 4))] == [0.0, 0.5, 1.0, 0.5, 1.0, 1 / 3, 0.5]
+    assert _gpus_per_service("0.25", 8, 3) == 0.25
+    assert slots("target", 3) == ["target", "target-1", "target-2"] and slots("draft", 1) == ["draft"]
+    fields = {"target-10": "k:1", "target": "a:1", "target-2": "c:1", "target-1": "b:1", "draft": "d:1"}
+    assert joined(fields, "target") == "a:1,b:1,c:1,k:1" and joined(fields, "draft") == "d:1"
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    store = redis.Redis.from_url(REDIS_URL)
+    store.hset(f"tandem:ray:{name}", mapping={**fields, "orchestrator": "o:1", "http": "h:1"})
+    try:
+        assert discover(REDIS_URL, name) == {"target": "a:1,b:1,c:1,k:1", "draft": "d:1", "orchestrator": "o:1",
+                                             "http": "h:1"}
+    finally:
+        store.delete(f"tandem:ray:{name}")
