@@ -324,3 +324,20 @@ def test_a_dns_name_of_replicas_is_looked_up_and_served(replica_cluster, tiny_mo
     finally:
         replica_cluster.run(server.stop(0))
         replica_cluster.run(servicer.close())
+
+
+def test_the_replica_probe_spreads_sessions_over_both_targets_with_the_same_replies(char_models, tmp_path):
+    """bench.replica_probe on the tiny pair: real processes, two orchestrators
+    in front of the same services, one given one target and one given two."""
+    import json
+
+    from bench.replica_probe import main
+
+    out = tmp_path / "replica_probe.json"
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--clients", "2", "--reps", "1", "--repeat", "4", "--new-tokens", "8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["identical_rounds"] == result["rounds"] == 1
+    two, one = result["modes"]["two_targets"]["2"], result["modes"]["one_target"]["2"]
+    assert all(two["target_calls"]), two  # 16 sessions: all on one target by chance once in 2**15
+    assert one["target_calls"][0] > 0 and one["target_calls"][1] == 0
