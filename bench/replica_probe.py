@@ -102,12 +102,13 @@ def main(argv=None) -> int:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     common = ["--redis-url", ensure_redis(), "--prefix-cache", "0"]  # each request prefills its prompt
     with contextlib.ExitStack() as stack:
-        targets = [_started(stack, Service("target", ["--model", args.target], threads=args.threads))
-                   for _ in range(2)]
+        targets = []
+        for _ in range(2):  # one after the other: a target loading peaks at about 10 GiB (the default pair)
+            targets.append(_started(stack, Service("target", ["--model", args.target], threads=args.threads)))
+            targets[-1].ready(LOG_DIR, 900)
         draft = _started(stack, Service("draft", ["--model", args.draft, *args.draft_args.split()],
                                         threads=args.threads))
-        for service in (*targets, draft):
-            service.ready(LOG_DIR, 900)
+        draft.ready(LOG_DIR, 900)
         orchestrators = {}
         for side, listed in (("two_targets", targets), ("one_target", targets[:1])):
             orchestrators[side] = _started(stack, Service("orchestrator", [
