@@ -76,6 +76,8 @@ def run(orchestrators: dict[str, Service], targets: list[Service], prompts: list
         "identical_rounds": sum(a["replies"] == b["replies"] for c in clients
                                 for a, b in zip(rows[SIDES[0]][c], rows[SIDES[-1]][c])),
         "rounds": reps * len(clients),
+        "runs": {side: {str(c): [{k: v for k, v in r.items() if k != "replies"} for r in rows[side][c]]
+                        for c in clients} for side in SIDES},
     }
 
 
