@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 SEPARATOR = "~"  # in a copy's cache id, before the route key it shares with its source
 DOWN_S = 5.0  # how long a replica that did not answer takes no calls
+PLACED_S = 5.0  # a new session counts on its replica this long before its first call
 REFRESH_S = 10.0  # how often a DNS name's addresses are looked up again
 
 
@@ -82,6 +83,7 @@ class Replica:
     checked: bool = False  # its model is the reference's
     refused: str = ""  # why it takes no calls: it serves another model
     running: dict = field(default_factory=dict)  # route key -> its calls in flight here
+    placed: dict = field(default_factory=dict)  # route key -> when a new session was placed here, until its first call
 
     @property
     def address(self) -> str:
@@ -152,7 +154,7 @@ class Replicas:
         """The replicas in the session's order of preference (rendezvous hashing)."""
         key = route_key(cache_id)
         return sorted(self.replicas, reverse=True, key=lambda replica: hashlib.blake2b(
-            f"{replica.address}\0{key}".encode(), digest_size=8).digest())
+            f"{self.role}\0{replica.address}\0{key}".encode(), digest_size=8).digest())
 
     def usable(self, replica: Replica) -> bool:
         return not replica.refused and self.clock() >= replica.down_until
@@ -168,11 +170,24 @@ class Replicas:
                 return replica
         return next((replica for replica in order if not replica.refused), order[0])
 
-    @staticmethod
-    def active(replica: Replica) -> int:
+    def active(self, replica: Replica) -> int:
         """Sessions with a call in flight on the replica (this orchestrator's):
-        a running request has one there nearly all the time."""
-        return len(replica.running)
+        a running request has one there nearly all the time; and sessions
+        placed there in the last PLACED_S seconds that have not called yet."""
+        since = self.clock() - PLACED_S
+        for key in [key for key, at in replica.placed.items() if at < since]:
+            del replica.placed[key]
+        return len(replica.running) + len(replica.placed.keys() - replica.running.keys())
+
+    def least_busy(self) -> list[Replica]:
+        """The usable replicas with the fewest active sessions."""
+        loads = {replica: self.active(replica) for replica in self.replicas if self.usable(replica)}
+        return [replica for replica, load in loads.items() if load == min(loads.values())] if loads else []
+
+    def place(self, key: str) -> None:
+        """Counts a new session on its replica until its first call."""
+        if self.replicas:
+            self.replica_for(key).placed[route_key(key)] = self.clock()
 
     def crowded(self, cache_id: str) -> bool:
         """Whether the session's replica runs well over the least busy usable
@@ -193,6 +208,7 @@ class Replicas:
             replica = self.replica_for(cache_id)
         key = route_key(cache_id)
         replica.running[key] = replica.running.get(key, 0) + 1
+        replica.placed.pop(key, None)
         try:
             return await call(replica.client)
         except ServiceUnavailable as err:
@@ -291,6 +307,30 @@ class Replicas:
         for task, _ in leaving:
             task.cancel()
         await asyncio.gather(*(client.close() for client in [*self.clients, *(client for _, client in leaving)]))
+
+
+def placed_id(services: list[Replicas], tries: int = 512) -> str:
+    """A new session's cache id, placed on the least busy replica of the
+    first service (the target), and where it can, of the others too (the
+    draft): the first of up to `tries` random ids that the rendezvous order
+    puts there. Load-aware where rendezvous hashing alone is not: a few
+    sessions at once would land unevenly. "" without replicas."""
+    if not services:
+        return ""
+    wanted = [service.least_busy() for service in services]
+    fallback = ""
+    for _ in range(tries):
+        key = uuid.uuid4().hex
+        hits = [not want or service.replica_for(key) in want for service, want in zip(services, wanted)]
+        if all(hits):
+            fallback = key
+            break
+        if hits[0] and not fallback:
+            fallback = key
+    fallback = fallback or uuid.uuid4().hex
+    for service in services:
+        service.place(fallback)
+    return fallback
 
 
 def service_client(value: str, make: Callable[[str], object], role: str):

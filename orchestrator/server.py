@@ -16,7 +16,7 @@ from orchestrator.generation import EngineConfig, Generation, RequestParams, Tur
 from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
-from orchestrator.replicas import Replicas, service_client
+from orchestrator.replicas import Replicas, placed_id, service_client
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.stored_responses import ItemStore, ResponseStore, StoredRpcs
@@ -298,7 +298,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         tenant = await self._tenant(context)
         await self._ready(context)
         messages = [{"role": "system", "content": request.system_prompt}] if request.system_prompt else []
-        record = await self.store.create(tenant, messages, request.ttl_seconds)
+        record = await self.store.create(tenant, messages, request.ttl_seconds, cache_id=self._placed_id())
         return tandem_pb2.Session(session_id=record.session_id, committed_tokens=0)
 
     @admitted
@@ -485,7 +485,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                     await self.store.save_meta(record)
                 log.debug("session %s: %d of %d prompt tokens reused", record.session_id, cached, len(prompt))
                 return record, cached
-        return await self.store.create(tenant, messages), 0
+        return await self.store.create(tenant, messages, cache_id=self._placed_id()), 0
 
     async def _share(self, record, prompt: list[int]) -> None:
         try:
@@ -511,6 +511,11 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
     async def _release(self, cache_id: str) -> None:
         """Frees a session's caches on both services."""
         await asyncio.gather(self.proposer.release(cache_id), self.verifier.release(cache_id))
+
+    def _placed_id(self) -> str:
+        """A new session's cache id, placed on the least busy replicas (orchestrator.replicas);
+        "" (the session's id) without replicas."""
+        return placed_id([client for client in (self.verifier, self.proposer) if isinstance(client, Replicas)])
 
     def _crowded(self, cache_id: str) -> bool:
         """Whether the replica of either service that holds a session's caches

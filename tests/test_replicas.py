@@ -11,10 +11,10 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import OrchestratorConfig
-from orchestrator.replicas import Replicas, copy_id, route_key
+from orchestrator.replicas import Replicas, copy_id, placed_id, route_key
 from tandem import telemetry
 from tandem.v1 import common_pb2
-from tests.conftest import Cluster, reference_greedy
+from tests.conftest import REDIS_URL, Cluster, reference_greedy
 
 KEYS = [f"{i:032x}" for i in range(600)]
 
@@ -165,6 +165,37 @@ def test_a_session_counts_on_its_replica_while_its_call_runs():
     asyncio.run(scenario())
 
 
+def test_new_sessions_are_placed_on_the_least_busy_replicas_of_both_services():
+    clock = _Clock()
+    targets, drafts = _replicas(2, clock=clock), _replicas(3, clock=clock)
+    a, b = targets.replicas
+    for key in KEYS[:2]:
+        a.running[key] = 1  # two sessions running on target a
+    drafts.replicas[0].running[KEYS[0]] = 1
+    for _ in range(20):
+        key = placed_id([targets, drafts])
+        assert targets.replica_for(key) is b
+        b.placed.clear()  # as if each had made its call and ended
+        for replica in drafts.replicas:
+            replica.placed.clear()
+    # Sessions placed at once spread evenly: each counts on its replica until its first call.
+    a.running.clear()
+    drafts.replicas[0].running.clear()
+    keys = [placed_id([targets, drafts]) for _ in range(6)]
+    assert sorted(len(r.placed) for r in targets.replicas) == [3, 3]
+    assert sorted(len(r.placed) for r in drafts.replicas) == [2, 2, 2]
+    assert {targets.replica_for(key) for key in keys} == {a, b}
+
+    async def first_call():
+        await targets.propose(keys[0], None)
+
+    asyncio.run(first_call())
+    assert route_key(keys[0]) not in targets.replica_for(keys[0]).placed  # its calls count from now on
+    clock.now += 10  # placed sessions that never called stop counting after PLACED_S
+    assert [targets.active(r) for r in targets.replicas] == [0, 0]
+    assert placed_id([]) == ""
+
+
 @pytest.mark.parametrize("fields, words", [
     (dict(target_address="a:1,,b:2"), "an empty address"),
     (dict(draft_address="a:1,a:1"), "an address given twice"),
@@ -186,7 +217,12 @@ def replica_cluster(tiny_models, near_draft):
     cluster.stop()
 
 
-def _holders(servicers, cache_id):
+def _holders(servicers, session_id, tenant="default"):
+    """The replicas that hold the session's caches, under its cache id (placed_id's)."""
+    import redis
+
+    with redis.Redis.from_url(REDIS_URL) as store:
+        cache_id = (store.hget(f"tandem:{tenant}:session:{session_id}", "cache_id") or session_id.encode()).decode()
     return [i for i, servicer in enumerate(servicers) if cache_id in servicer.store]
 
 
@@ -267,7 +303,7 @@ def test_a_replica_that_goes_down_hands_its_sessions_over_and_nothing_changes(ti
                 history = turn1 + first.token_ids + turn2
                 assert second.token_ids == reference_greedy(tiny_models["target"], history, 8)
                 assert second.stats.undrafted_rounds == 0  # drafted by the other draft replica
-                assert session in cluster.targets[1 - target].store  # (the stopped one's store is still there)
+                assert 1 - target in _holders(cluster.targets, session)  # (the stopped one's store is still there)
             assert seconds[0].stats.cache_misses >= 2  # one per service: each moved and re-synced
             # Stateless requests go on too, whichever replica they would have had.
             for i in range(6):
