@@ -280,13 +280,11 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                         await self._share(record, prompt)
                     yield event
             if final is not None:
-                # The session is parked (or deleted) before the caller has the final
-                # event, so that a next turn sent on it finds the session parked.
-                ended = True
-                try:
-                    await asyncio.shield(self._end_stateless(record, True, prompt if shared else None))
-                except Exception:  # noqa: BLE001 (Redis failed: the session expires; the answer is whole)
-                    log.warning("could not park or delete session %s", record.session_id, exc_info=True)
+                # The session is parked before the caller has the final event, so
+                # that a next turn sent on it finds it parked; one not parked is
+                # deleted after (below).
+                if self.prefix_cache is not None:
+                    ended = await asyncio.shield(self._park(record, prompt if shared else None))
                 yield final
         finally:
             if not request.keep_session and not ended:
@@ -493,19 +491,29 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         except Exception:  # noqa: BLE001 (a Redis hiccup costs later requests a prefill, not this one its answer)
             log.warning("could not share the prompt of session %s", record.session_id, exc_info=True)
 
+    async def _park(self, record, shared: list[int] | None) -> bool:
+        """Withdraws the prompt a finished stateless request shared and parks its
+        session (--prefix-cache); False when it is not parked (Redis failed, or
+        the session is gone)."""
+        if shared is not None:
+            with contextlib.suppress(Exception):  # the live keys expire with the session's TTL anyway
+                await self.prefix_cache.unshare(record, shared)
+        try:
+            return await self.prefix_cache.park(record)
+        except Exception:  # noqa: BLE001 (Redis failed mid-way: deleted after, as without the cache)
+            log.warning("could not park session %s; deleting it", record.session_id, exc_info=True)
+            return False
+
     async def _end_stateless(self, record, finished: bool, shared: list[int] | None = None) -> None:
         """After a Generate without keep_session: withdraws the prompt it shared,
         parks a session that finished for a later prompt with the same prefix,
         and deletes any other."""
-        if shared is not None:
+        if finished and self.prefix_cache is not None:
+            if await self._park(record, shared):
+                return
+        elif shared is not None:
             with contextlib.suppress(Exception):  # the live keys expire with the session's TTL anyway
                 await self.prefix_cache.unshare(record, shared)
-        if finished and self.prefix_cache is not None:
-            try:
-                if await self.prefix_cache.park(record):
-                    return
-            except Exception:  # Redis failed mid-way: delete what is left, as without the cache
-                log.warning("could not park session %s; deleting it", record.session_id, exc_info=True)
         await self._delete(record.tenant, record.session_id)
 
     async def _release(self, cache_id: str) -> None:
