@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import PROMPTS, RESULTS, cut, machine, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_flags, parse_args, write
 from tandem.client import TandemClient
 from tandem.launch import Deployment, Service
 from tandem.redis_local import ensure_redis
@@ -130,10 +130,7 @@ def run(deployments: dict, prompts: list[str], clients: list[int], new_tokens: i
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.batch_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
-    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
-    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
-                        help="extra draft service flags (default: %(default)s)")
+    pair_flags(parser)
     parser.add_argument("--batch", type=int, default=4, help="the batched sides' --batch-verifies (default: %(default)s)")
     parser.add_argument("--batch-drafts", type=int, default=4,
                         help="both_batched's --batch-drafts (default: %(default)s)")

@@ -346,6 +346,14 @@ def machine() -> dict:
             "torch": torch.__version__, "gpu": gpu, "openmp_env": openmp}
 
 
+def pair_flags(parser) -> None:
+    """--target, --draft and --draft-args: the model pair of a probe's deployments."""
+    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
+    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
+    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
+                        help="extra draft service flags (default: %(default)s)")
+
+
 def parse_args(parser, argv=None):
     """A probe's arguments, with INFO logging on: what every probe's main starts with."""
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, cut, machine, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_flags, parse_args, write
 from tandem.client import TandemClient
 from tandem.launch import Deployment, Service, free_port
 
@@ -96,10 +96,7 @@ def run(address: str, base: str, prompts: dict[str, str], new_tokens: int, reps:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.http_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
-    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
-    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
-                        help="extra draft service flags (default: %(default)s)")
+    pair_flags(parser)
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=3, help="passes over the prompts (default: %(default)s)")

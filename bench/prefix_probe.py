@@ -32,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import RESULTS, cut, machine, parse_args, write
+from bench.common import RESULTS, cut, machine, pair_flags, parse_args, write
 from tandem.launch import Deployment, Service, free_port
 
 log = logging.getLogger("bench.prefix_probe")
@@ -196,10 +196,7 @@ def run(bases: dict[str, str], chats: dict[str, list[str]], turns: int, new_toke
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prefix_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
-    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
-    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
-                        help="extra draft service flags (default: %(default)s)")
+    pair_flags(parser)
     parser.add_argument("--chats", default=",".join(CHATS), help="conversations (default: %(default)s)")
     parser.add_argument("--turns", type=int, default=4, help="user turns per conversation, at most 6 "
                                                              "(default: %(default)s)")

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 
 from bench.batch_probe import _round
-from bench.common import PROMPTS, RESULTS, cut, machine, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_flags, parse_args, write
 from tandem.launch import Service
 from tandem.redis_local import ensure_redis
 from tandem.v1 import common_pb2, target_pb2_grpc
@@ -84,10 +84,7 @@ def run(orchestrators: dict[str, Service], targets: list[Service], prompts: list
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.replica_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
-    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
-    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
-                        help="extra draft service flags (default: %(default)s)")
+    pair_flags(parser)
     parser.add_argument("--clients", default="2,4", help="concurrent clients, each run (default: %(default)s)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")

@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, cut, machine, parse_args, write
+from bench.common import RESULTS, cut, machine, pair_flags, parse_args, write
 import torch
 
 from tandem.client import TandemClient
@@ -207,10 +207,7 @@ def mask_costs(target: str, reps: int = 20) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.structured_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
-    parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
-    parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
-                        help="extra draft service flags (default: %(default)s)")
+    pair_flags(parser)
     parser.add_argument("--new-tokens", type=int, default=160, help="most tokens per request (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=3, help="passes over the tasks (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")

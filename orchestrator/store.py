@@ -3,7 +3,8 @@
 Keys (all under a tenant):
   tandem:{tenant}:session:{id}         hash: created, ttl, messages (JSON), draft_len, target_len,
                                        and cache_id where it is not the id (orchestrator.prefix_cache:
-                                       a session taken over, or a copy)
+                                       a session taken over, or a copy; orchestrator.replicas: a
+                                       session placed on the least busy replicas)
   tandem:{tenant}:session:{id}:tokens  list: committed token ids, in order
   tandem:owner:{id}                    the owning tenant (for PERMISSION_DENIED)
 """
@@ -101,7 +102,8 @@ class SessionStore:
     async def create(self, tenant: str, messages: list[dict] | None = None, ttl_s: int = 0,
                      cache_id: str = "") -> SessionRecord:
         """A new session; `cache_id`: the name its caches take on the services,
-        where it is not the session's id (a copy's, orchestrator.replicas.copy_id)."""
+        where it is not the session's id (orchestrator.replicas: copy_id's for a
+        copy, placed_id's for a session placed by load)."""
         session_id = uuid.uuid4().hex
         ttl = ttl_s or self.default_ttl_s
         key = self._key(tenant, session_id)
