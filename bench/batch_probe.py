@@ -78,6 +78,25 @@ def _counts(deployment: Deployment) -> dict[str, int]:
     return {key: counts.get(key, 0) for key in COUNTS}
 
 
+def round_flags(parser, clients: str) -> None:
+    """The flags of a round of requests from concurrent clients (_round), and --threads."""
+    parser.add_argument("--clients", default=clients, help="concurrent clients, each run (default: %(default)s)")
+    parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=2, help="passes (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="each prompt sent this many times a round, as requests of their own: more "
+                             "streams than prompts (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
+
+
+def round_args(parser, args) -> tuple[list[int], list[str]]:
+    """The client counts and a round's prompts, from round_flags' flags."""
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    return [int(c) for c in args.clients.split(",")], [PROMPTS[name] for name in args.prompts.split(",")] * args.repeat
+
+
 def _per_batch(runs: list[dict], calls: str, batches: str) -> float:
     done = sum(r[batches] for r in runs)
     return sum(r[calls] for r in runs) / done if done else 0.0
@@ -136,20 +155,10 @@ def main(argv=None) -> int:
                         help="both_batched's --batch-drafts (default: %(default)s)")
     parser.add_argument("--sides", default="both_batched,target_batched",
                         help=f"two or more of {', '.join(SIDES)}, the reference last (default: %(default)s)")
-    parser.add_argument("--clients", default="1,2,4", help="concurrent clients, each run (default: %(default)s)")
-    parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=2, help="passes (default: %(default)s)")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="each prompt sent this many times a round, as requests of their own: more "
-                             "streams than prompts (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
+    round_flags(parser, "1,2,4")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch_probe.json", help="JSON output path")
     args = parse_args(parser, argv)
-    clients = [int(c) for c in args.clients.split(",")]
-    if args.repeat < 1:
-        parser.error(f"--repeat must be >= 1, got {args.repeat}")
-    prompts = [PROMPTS[name] for name in args.prompts.split(",")] * args.repeat
+    clients, prompts = round_args(parser, args)
     orchestrator = ["--redis-url", ensure_redis(), "--prefix-cache", "0"]  # each request prefills its prompt
 
     def deployment(batch: int, batch_drafts: int) -> Deployment:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import grpc
 
-from bench.batch_probe import _round
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_flags, parse_args, write
+from bench.batch_probe import _round, round_args, round_flags
+from bench.common import RESULTS, cut, machine, pair_flags, parse_args, write
 from tandem.launch import Service
 from tandem.redis_local import ensure_redis
 from tandem.v1 import common_pb2, target_pb2_grpc
@@ -85,19 +85,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.replica_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     pair_flags(parser)
-    parser.add_argument("--clients", default="2,4", help="concurrent clients, each run (default: %(default)s)")
-    parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=2, help="passes (default: %(default)s)")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="each prompt sent this many times a round (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
+    round_flags(parser, "2,4")
     parser.add_argument("--out", type=Path, default=RESULTS / "replica_probe.json", help="JSON output path")
     args = parse_args(parser, argv)
-    clients = [int(c) for c in args.clients.split(",")]
-    if args.repeat < 1:
-        parser.error(f"--repeat must be >= 1, got {args.repeat}")
-    prompts = [PROMPTS[name] for name in args.prompts.split(",")] * args.repeat
+    clients, prompts = round_args(parser, args)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     common = ["--redis-url", ensure_redis(), "--prefix-cache", "0"]  # each request prefills its prompt
     with contextlib.ExitStack() as stack:

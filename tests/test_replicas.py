@@ -46,8 +46,8 @@ class _Clock:
 ADDRESSES = [f"10.0.0.{i}:50052" for i in range(6)]
 
 
-def _replicas(n=3, failing=(), clock=None):
-    return Replicas(lambda address: _Client(address, ADDRESSES.index(address) in failing), "target",
+def _replicas(n=3, failing=(), clock=None, role="target"):
+    return Replicas(lambda address: _Client(address, ADDRESSES.index(address) in failing), role,
                     ADDRESSES[:n], clock=clock or _Clock())
 
 
@@ -167,7 +167,7 @@ def test_a_session_counts_on_its_replica_while_its_call_runs():
 
 def test_new_sessions_are_placed_on_the_least_busy_replicas_of_both_services():
     clock = _Clock()
-    targets, drafts = _replicas(2, clock=clock), _replicas(3, clock=clock)
+    targets, drafts = _replicas(2, clock=clock), _replicas(3, clock=clock, role="draft")  # (the same addresses)
     a, b = targets.replicas
     for key in KEYS[:2]:
         a.running[key] = 1  # two sessions running on target a
