@@ -53,18 +53,21 @@ def slots(role: str, replicas: int) -> list[str]:
     return [role] + [f"{role}-{i}" for i in range(1, replicas)]
 
 
-def slot_role(slot: str) -> str:
-    return re.sub(r"-\d+$", "", slot)
+def slot_parts(slot: str) -> tuple[str, int]:
+    """(role, replica index) of a slot: "target" is ("target", 0), "target-2" ("target", 2)."""
+    role, index = re.fullmatch(r"(.+?)(?:-(\d+))?", slot).groups()
+    return role, int(index or 0)
 
 
-def _slot_order(slot: str) -> int:
-    return int(slot.rpartition("-")[2]) if slot != slot_role(slot) else 0
+def _slot_key(slot: str) -> tuple[int, int]:
+    """Slots in ROLES' order, each role's replicas in theirs."""
+    role, index = slot_parts(slot)
+    return ROLES.index(role), index
 
 
 def joined(fields: dict[str, str], role: str) -> str:
     """Every registered replica's address of a role, in slot order, comma-separated."""
-    found = sorted((slot for slot in fields if slot_role(slot) == role), key=_slot_order)
-    return ",".join(fields[slot] for slot in found)
+    return ",".join(fields[slot] for slot in sorted((s for s in fields if slot_parts(s)[0] == role), key=_slot_key))
 
 
 def discover(redis_url: str, name: str, wait_s: float = 0.0) -> dict[str, str]:
@@ -272,7 +275,7 @@ def up(args) -> int:
     actors = {}
     try:
         for index, slot in enumerate(services):
-            role = slot_role(slot)
+            role = slot_parts(slot)[0]
             actors[slot] = supervisor.options(
                 name=f"{args.name}-{slot}", lifetime="detached", num_cpus=args.cpus_per_service, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
@@ -305,7 +308,7 @@ def _take_down(ray, name: str, redis_url: str, actors: dict | None = None) -> li
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
     actors = {**_actors(ray, name), **(actors or {})}
-    found = sorted(actors, key=lambda slot: (-ROLES.index(slot_role(slot)), _slot_order(slot)))
+    found = sorted(actors, key=_slot_key, reverse=True)  # the orchestrator first
     for slot in found:
         try:
             ray.get(actors[slot].stop.remote(), timeout=60)
@@ -347,11 +350,11 @@ def status(args) -> int:
         client.close()
     services = {}
     actors = _actors(ray, args.name)
-    for slot in sorted(actors, key=lambda slot: (ROLES.index(slot_role(slot)), _slot_order(slot))):
+    for slot in sorted(actors, key=_slot_key):
         services[slot] = {**ray.get(actors[slot].status.remote(), timeout=30), "address": addresses.get(slot)}
     print(json.dumps({"name": args.name, "services": services, "http": addresses.get("http")}))
     if not services:
         print(f"tandem ray status: no deployment {args.name!r} on this Ray cluster", file=sys.stderr)
         return 1
-    whole = {slot_role(slot) for slot in services} == set(ROLES)
+    whole = {slot_parts(slot)[0] for slot in services} == set(ROLES)
     return 0 if whole and all(s["alive"] for s in services.values()) else 3
