@@ -271,4 +271,5 @@ class GrpcVerifier(_GrpcClient):
 def _logprobs(wire, top: int | None) -> list[TokenLogprobs]:
     """TokenLogprobs from the reply, cut to the `top` likeliest asked (one
     call asks for the larger count of its two kinds)."""
-    return [TokenLogprobs(lp.logprob, tuple(lp.top_tokens[:top]), tuple(lp.top_logprobs[:top])) for lp in wire]
+    return [TokenLogprobs(lp.logprob, tuple(lp.top_tokens[:top]), tuple(lp.top_logprobs[:top]), lp.rank)
+            for lp in wire]

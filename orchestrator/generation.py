@@ -112,7 +112,7 @@ def _token_logprobs(ids: list[int], logprobs, tokenizer) -> list[tandem_pb2.Toke
         return tokenizer.decode([token]) if tokenizer is not None else ""
 
     return [tandem_pb2.TokenLogprob(
-        token_id=token, token=text(token), logprob=lp.logprob,
+        token_id=token, token=text(token), logprob=lp.logprob, rank=lp.rank,
         top_logprobs=[tandem_pb2.TopLogprob(token_id=t, token=text(t), logprob=v)
                       for t, v in zip(lp.top_tokens, lp.top_logprobs)])
         for token, lp in zip(ids, logprobs)]

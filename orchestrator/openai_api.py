@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from orchestrator.openai_params import GUIDED, UINT64_MAX, flag, generation_params, invalid, number
+from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.v1 import tandem_pb2
 
 MAX_CHOICES = 16  # "n": each choice is a generation of its own
@@ -38,6 +39,9 @@ class Call:
     continuous_usage: bool = False
     # chat: the answer's reasoning is read out of its text (orchestrator/reasoning_parsers.py)
     reasoning_parser: str | None = None
+    # vLLM's "prompt_logprobs": each prompt token's log probability and rank, with this many likeliest
+    # tokens at its position (a completion's choices, a chat completion's top level); None = not asked
+    prompt_logprobs: int | None = None
 
     @property
     def most_calls(self) -> int | None:
@@ -82,9 +86,34 @@ def _common(body, chat: bool, prompts: list[tandem_pb2.GenerateRequest], echo=()
     if len(prompts) * n > MAX_BATCH:
         raise invalid("prompt", f"at most {MAX_BATCH} choices a request: {len(prompts)} prompts times n = {n}")
     include_usage = flag(options, "include_usage")
+    return_token_ids = flag(body, "return_token_ids")
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    for request in prompts:
+        params = request.params
+        if prompt_logprobs is not None:  # the larger count where "echo" with "logprobs" asked too
+            params.prompt_logprobs = max(prompt_logprobs, params.prompt_logprobs)
+        if return_token_ids:  # with them the prompt's: the first delta brings them back
+            params.echo = True
     return Call(prompts=tuple(prompts), chat=chat, stream=stream, include_usage=include_usage,
-                return_token_ids=flag(body, "return_token_ids"), model=model or None, n=n, echo=tuple(echo),
-                prompt_only=prompt_only, continuous_usage=include_usage and flag(options, "continuous_usage_stats"))
+                return_token_ids=return_token_ids, model=model or None, n=n, echo=tuple(echo),
+                prompt_only=prompt_only, continuous_usage=include_usage and flag(options, "continuous_usage_stats"),
+                prompt_logprobs=prompt_logprobs)
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's "prompt_logprobs": 0..20, not with "stream" (as vLLM: a
+    streamed answer has no place for them; 0 streamed is taken and has none)."""
+    value = body.get("prompt_logprobs")
+    if value == -1 and not isinstance(value, bool):
+        raise invalid("prompt_logprobs", f"'prompt_logprobs': -1 (the whole vocabulary) is not served: at most "
+                                         f"{MAX_TOP_LOGPROBS} likeliest tokens a position")
+    top = number(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if top is None or not stream:
+        return top
+    if top:
+        raise invalid("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true: ask without "
+                                         "streaming, or stream with 'echo' and 'logprobs' (a completion)")
+    return None
 
 
 def _is_ids(prompt) -> bool:

@@ -84,15 +84,15 @@ def chat_logprobs(logprobs) -> dict:
             "refusal": None}
 
 
-def completion_logprobs(logprobs, offset: int = 0) -> dict:
+def completion_logprobs(logprobs, offset: int = 0, most: int | None = None) -> dict:
     """A completion choice's "logprobs": the tokens, their log probabilities,
-    for each a map of the most likely tokens (and the token itself) to theirs,
+    for each a map of the `most` likely tokens (and the token itself) to theirs,
     and where each token starts in the completion's text, from `offset`."""
     answer = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in logprobs:
         top = None
         if lp.logprob is not None:  # None: a prompt's first token
-            top = {alt.token: _finite(alt.logprob) for alt in lp.top_logprobs}
+            top = {alt.token: _finite(alt.logprob) for alt in lp.top_logprobs[:most]}
             top.setdefault(lp.token, _finite(lp.logprob))
         answer["tokens"].append(lp.token)
         answer["token_logprobs"].append(None if lp.logprob is None else _finite(lp.logprob))
@@ -115,6 +115,23 @@ def _prompt_logprobs(prompt: tandem_pb2.PromptEcho) -> list:
     return [_Unscored(prompt.first_token), *prompt.logprobs]
 
 
+def vllm_prompt_logprobs(prompt: tandem_pb2.PromptEcho, most: int) -> list[dict | None]:
+    """vLLM's "prompt_logprobs": null for the prompt's first token (no
+    position predicts it), then for each token a map of its id, and of the
+    `most` likeliest tokens' ids, to the log probability, the rank among
+    the vocabulary (1: the likeliest) and the token decoded alone."""
+    def entry(logprob: float, rank: int, token: str) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank or None, "decoded_token": token}
+
+    answer: list[dict | None] = [None] if prompt.token_ids else []
+    for lp in prompt.logprobs:
+        scored = {str(lp.token_id): entry(lp.logprob, lp.rank, lp.token)}
+        for place, alt in enumerate(lp.top_logprobs[:most], 1):
+            scored.setdefault(str(alt.token_id), entry(alt.logprob, place, alt.token))
+        answer.append(scored)
+    return answer
+
+
 def _echo_text(call: Call, index: int, prompt: tandem_pb2.PromptEcho) -> str:
     """Choice `index`'s prompt as it comes back: the text sent, or the
     server's decoding of the token ids sent."""
@@ -125,7 +142,8 @@ def _echo_text(call: Call, index: int, prompt: tandem_pb2.PromptEcho) -> str:
 def _choice_logprobs(call: Call, logprobs, offset: int = 0) -> dict | None:
     if not call.request.params.logprobs:
         return None
-    return chat_logprobs(logprobs) if call.chat else completion_logprobs(logprobs, offset)
+    return (chat_logprobs(logprobs) if call.chat
+            else completion_logprobs(logprobs, offset, call.request.params.top_logprobs))
 
 
 @dataclass
@@ -184,14 +202,28 @@ def response(call: Call, model: str, answers: list[Answer], request_id: str | No
                 choice["finish_reason"] = _tools_finish_reason(call, choice["finish_reason"])
         else:
             choice["text"] = text
+            choice.update(_prompt_fields(call, answer.prompt))  # vLLM's: a completion's, each choice its prompt's
         if call.return_token_ids:
             choice["token_ids"] = ids
         choices.append(choice)
     finals = [answer.final for answer in answers]
     stats = [speculation(final) for final in finals]
-    return {"id": new_id(call.chat, request_id), "object": "chat.completion" if call.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices, "usage": usage(call, finals),
-            "tandem": stats[0] if call.choices == 1 else stats}
+    answer = {"id": new_id(call.chat, request_id), "object": "chat.completion" if call.chat else "text_completion",
+              "created": int(time.time()), "model": model, "choices": choices, "usage": usage(call, finals)}
+    if call.chat:  # vLLM's: a chat completion's at its top level (every choice has the one prompt)
+        answer.update(_prompt_fields(call, answers[0].prompt))
+    return {**answer, "tandem": stats[0] if call.choices == 1 else stats}
+
+
+def _prompt_fields(call: Call, prompt: tandem_pb2.PromptEcho | None) -> dict:
+    """vLLM's "prompt_logprobs" and "prompt_token_ids" (with
+    "return_token_ids"), where the request asked."""
+    fields = {}
+    if call.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = vllm_prompt_logprobs(prompt or tandem_pb2.PromptEcho(), call.prompt_logprobs)
+    if call.return_token_ids:
+        fields["prompt_token_ids"] = list(prompt.token_ids) if prompt is not None else None
+    return fields
 
 
 def _finish_reason(call: Call, final: tandem_pb2.Completion) -> str:
@@ -238,8 +270,11 @@ class Chunks:
         self._offset = [0] * call.choices  # where each choice's next token starts in its text (text_offset)
         self._counted = [[0, 0] for _ in range(call.choices)]  # each choice's prompt and completion tokens so far
         self._thought: dict[int, _Thought] = {}  # with a reasoning parser: each choice's answer read so far
+        self._prompt_ids: dict[int, list[int]] = {}  # return_token_ids: each choice's prompt, not sent yet
 
     def _chunk(self, choices: list[dict], **more) -> dict:
+        if self.call.chat and choices and choices[0]["index"] in self._prompt_ids:  # vLLM's, at the top level
+            more["prompt_token_ids"] = self._prompt_ids.pop(choices[0]["index"])
         if self.call.continuous_usage and choices and "usage" not in more:
             prompt, completion = self._counted[choices[0]["index"]]
             more["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -271,6 +306,8 @@ class Chunks:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
+            if index in self._prompt_ids:  # vLLM's, on a completion's choice
+                choice["prompt_token_ids"] = self._prompt_ids.pop(index)
         if self.call.return_token_ids and ids is not None:
             choice["token_ids"] = ids
         return choice
@@ -321,12 +358,16 @@ class Chunks:
         counted = self._counted[index]
         counted[0] = delta.prompt_tokens or counted[0]
         counted[1] += len(delta.token_ids)
+        if self.call.return_token_ids and delta.HasField("prompt"):  # vLLM's: with the choice's next chunk
+            self._prompt_ids[index] = list(delta.prompt.token_ids)
         if self.call.echo and delta.HasField("prompt"):
             chunks.append(self._chunk([self._choice(index, _echo_text(self.call, index, delta.prompt), [], None,
                                                     _prompt_logprobs(delta.prompt))]))
         if self.call.reasoning_parser is not None:
-            return chunks + self._reasoned(index, delta)
-        return chunks + self._content(index, delta)
+            chunks += self._reasoned(index, delta)
+        else:
+            chunks += self._content(index, delta)
+        return chunks
 
     def _reasoned(self, index: int, delta: tandem_pb2.TokenDelta, final: bool = False) -> list[dict]:
         """The delta read for reasoning first: its reasoning goes out as

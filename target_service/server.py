@@ -195,7 +195,8 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
 
 
 def _wire_logprobs(logprobs) -> list[target_pb2.TokenLogprobs]:
-    return [target_pb2.TokenLogprobs(logprob=lp.logprob, top_tokens=lp.top_tokens, top_logprobs=lp.top_logprobs)
+    return [target_pb2.TokenLogprobs(logprob=lp.logprob, top_tokens=lp.top_tokens, top_logprobs=lp.top_logprobs,
+                                     rank=lp.rank)
             for lp in logprobs]
 
 

@@ -12,6 +12,7 @@ import uuid
 import openai
 import pytest
 import redis
+import torch
 from transformers import AutoTokenizer
 
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
@@ -314,6 +315,83 @@ def test_echo_and_batches_serve_loglikelihood_requests_as_lm_eval_sends_them(htt
     with pytest.raises(openai.BadRequestError, match="a chat completion does not echo"):
         client(base).chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "x"}],
                                              extra_body={"echo": True})
+
+
+def _assert_vllm_prompt_logprobs(scored: list, ids: list[int], reference, most: int) -> None:
+    """vLLM's "prompt_logprobs" of a prompt: null for the first token, then a
+    map of the token's id and the `most` likeliest ids to the log probability,
+    the rank and the token; each value is the target alone's, and the token's
+    rank counts the tokens likelier than it (within the kernels' tolerance)."""
+    assert len(scored) == len(ids) and scored[0] is None
+    for i, (token, entry, row) in enumerate(zip(ids[1:], scored[1:], reference)):
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(row[token].item(), abs=ATOL), i
+        fewest, most_likelier = ((row > own["logprob"] + ATOL).sum().item(), (row > own["logprob"] - ATOL).sum().item())
+        assert 1 + fewest <= own["rank"] <= 1 + most_likelier, i
+        likeliest = {key: value for key, value in entry.items() if key != str(token) or value["rank"] <= most}
+        assert len(likeliest) == most and sorted(v["rank"] for v in likeliest.values()) == list(range(1, most + 1))
+        assert list(entry)[0] == str(token) and len(entry) in (most, most + 1)
+        for key, value in entry.items():
+            assert value["logprob"] == pytest.approx(row[int(key)].item(), abs=ATOL)
+            assert value["decoded_token"] == chr(int(key))  # the character-level tokenizer
+        torch.testing.assert_close(torch.tensor(sorted((v["logprob"] for v in likeliest.values()), reverse=True)),
+                                   row.topk(most).values, atol=ATOL, rtol=0)
+
+
+def test_vllm_prompt_logprobs_and_prompt_token_ids(http, char_models):
+    """vLLM's "prompt_logprobs": N (not streamed) scores each prompt token as
+    the target alone does, with its rank and the N likeliest at its position,
+    on a completion's choices and at a chat completion's top level, and
+    changes no generated token. "return_token_ids" brings the prompt's ids
+    too, whole or with a streamed choice's first chunk."""
+    _, base, tokenizer = http
+    target, api = char_models["target"], client(base)
+    texts = ["def fib(n):", "Once upon a time"]
+    batch = [tokenizer.encode(t) for t in texts]
+    answer = api.completions.create(model="tandem-tiny", prompt=texts, max_tokens=6, temperature=0,
+                                    extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    for choice, ids in zip(answer.choices, batch):
+        assert choice.prompt_token_ids == ids and choice.token_ids == reference_greedy(target, ids, 6)
+        _assert_vllm_prompt_logprobs(choice.prompt_logprobs, ids, reference_logprobs(target, ids[:1], ids[1:]), 2)
+        assert choice.logprobs is None  # the completion's were not asked
+    alone = api.completions.create(model="tandem-tiny", prompt=texts[1], max_tokens=2, temperature=0,
+                                   extra_body={"prompt_logprobs": 0}).choices[0]
+    _assert_vllm_prompt_logprobs(alone.prompt_logprobs, batch[1], reference_logprobs(target, batch[1][:1],
+                                                                                      batch[1][1:]), 0)
+    assert getattr(alone, "prompt_token_ids", None) is None
+
+    # With "echo" and "logprobs": 1, the echoed prompt keeps its own count (the token and one more).
+    echoed = api.completions.create(model="tandem-tiny", prompt=texts[0], echo=True, max_tokens=0, logprobs=1,
+                                    temperature=0, extra_body={"prompt_logprobs": 3}).choices[0]
+    assert all(len(top) <= 2 for top in echoed.logprobs.top_logprobs[1:])
+    assert max(len(entry) for entry in echoed.prompt_logprobs[1:]) == 4
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "count to five"}]
+    templated = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                                 add_special_tokens=False)
+    chat = api.chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=8, temperature=0, n=2,
+                                       extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    assert chat.prompt_token_ids == templated
+    _assert_vllm_prompt_logprobs(chat.prompt_logprobs, templated,
+                                 reference_logprobs(target, templated[:1], templated[1:]), 1)
+    assert [c.token_ids for c in chat.choices] == [reference_greedy(target, templated, 8)] * 2
+
+    chunks = list(api.completions.create(model="tandem-tiny", prompt=texts[0], max_tokens=6, temperature=0,
+                                         stream=True, extra_body={"return_token_ids": True, "prompt_logprobs": 0}))
+    carried = [c.choices[0].prompt_token_ids for c in chunks if getattr(c.choices[0], "prompt_token_ids", None)]
+    assert carried == [batch[0]] and chunks[0].choices[0].prompt_token_ids == batch[0]
+    chunks = list(api.chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=4, temperature=0,
+                                              stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].prompt_token_ids == templated
+    assert [c for c in chunks[1:] if getattr(c, "prompt_token_ids", None)] == []
+
+    for extra, words in (({"prompt_logprobs": 1}, "not available when 'stream' is true"),
+                         ({"prompt_logprobs": -1}, "the whole vocabulary"),
+                         ({"prompt_logprobs": 21}, "must be in"), ({"prompt_logprobs": True}, "an integer")):
+        stream = "stream" in words
+        with pytest.raises(openai.BadRequestError, match=words) as refused:
+            api.completions.create(model="tandem-tiny", prompt=texts[0], max_tokens=2, stream=stream, extra_body=extra)
+        assert refused.value.body["param"] == "prompt_logprobs"
 
 
 def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(http, char_models):

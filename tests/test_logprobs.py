@@ -35,6 +35,7 @@ def assert_match(result, reference: torch.Tensor, top: int) -> None:
     assert [lp.token_id for lp in result.logprobs] == result.token_ids
     for i, (lp, row) in enumerate(zip(result.logprobs, reference)):
         assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=ATOL), i
+        assert (row > lp.logprob + ATOL).sum() + 1 <= lp.rank <= (row > lp.logprob - ATOL).sum() + 1, i
         assert len(lp.top_logprobs) == top
         values = [t.logprob for t in lp.top_logprobs]
         assert values == sorted(values, reverse=True)
@@ -55,6 +56,11 @@ def test_token_logprobs_are_the_log_softmax_and_its_likeliest():
         torch.testing.assert_close(torch.tensor(lp.top_logprobs), row.topk(4).values)
     assert all(lp.top_tokens == () for lp in token_logprobs(logits, tokens))  # top 0: the token's own only
     assert token_logprobs(logits[:0], []) == ()
+    # The rank: 1 + how many tokens are likelier; the likeliest is 1, and tied tokens share the best rank.
+    assert [lp.rank for lp in got] == [1 + (row > row[t]).sum().item() for row, t in zip(logits, tokens)]
+    assert [lp.rank for lp in token_logprobs(logits, tokens)] == [lp.rank for lp in got]
+    tied = torch.tensor([[0.0, 2.0, 2.0, 1.0]])
+    assert [token_logprobs(tied, [t])[0].rank for t in range(4)] == [4, 1, 1, 3]
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +175,8 @@ def test_prompt_logprobs_are_the_target_alones_and_need_the_whole_prompt_run(clu
                                        atol=ATOL, rtol=0)
             for lp, row in zip(scored, reference):
                 assert [t.logprob for t in lp.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=ATOL)
+                # The rank the target reports: 1 + the tokens likelier than it (within the kernels' tolerance).
+                assert (row > lp.logprob + ATOL).sum() + 1 <= lp.rank <= (row > lp.logprob - ATOL).sum() + 1
             assert_match(result, reference_logprobs(target, prompt, expected), top=0)
         echoed = client.generate(prompt_ids=prompt, max_tokens=8, echo=True)  # reuses the prefix: no scores
         assert list(echoed.prompt.token_ids) == prompt and not echoed.prompt.logprobs
