@@ -2,8 +2,8 @@
 /v1/chat/completions and /v1/responses (streamed as server-sent events with
 "stream": true), the stored responses and conversations
 (orchestrator/responses_routes.py, orchestrator/conversations.py), GET
-/v1/models, /health (and /ping) and /version, and vLLM's /tokenize,
-/detokenize and /tokenizer_info.
+/v1/models, /health (and /ping), /version and /metrics (Prometheus), and
+vLLM's /tokenize, /detokenize and /tokenizer_info.
 
 A gateway: each request becomes one Generate call of the Tandem gRPC API on
 the orchestrator it fronts, so admission, tenancy, checks, traces and errors
@@ -94,6 +94,7 @@ class Gateway:
             web.get("/ping", self.health),  # SageMaker's and vLLM's name for the probe
             web.post("/ping", self.health),
             web.get("/version", self.version),
+            web.get("/metrics", self.metrics),
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
             web.get("/tokenizer_info", self.tokenizer_info),
@@ -214,6 +215,18 @@ class Gateway:
     @staticmethod
     async def version(request: web.Request) -> web.Response:
         return web.json_response({"version": _version()})
+
+    @staticmethod
+    async def metrics(request: web.Request) -> web.Response:
+        """Prometheus' scrape: what the metrics port serves, in the format the
+        Accept header asks for; a 404 while the orchestrator exports no metrics.
+        Collected off the event loop, which runs the generations' rounds."""
+        exposition = await asyncio.to_thread(telemetry.prometheus_exposition, request.headers.get("Accept", ""))
+        if exposition is None:
+            raise ApiError(404, "metrics are off: start the orchestrator with --metrics-port PORT, or with "
+                                "--metrics-port equal to --http-port to serve them here alone", "not_found_error")
+        body, content_type = exposition
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (rendered

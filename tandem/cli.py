@@ -34,10 +34,7 @@ def _serve(args) -> None:
 
     address = f"{args.host}:{args.port}"
     try:
-        observability = telemetry.setup(telemetry.TelemetryConfig(
-            service_name=os.environ.get("OTEL_SERVICE_NAME") or telemetry.SERVICE_NAMES[args.role],
-            traces=args.otel_traces, metrics_port=args.metrics_port, metrics_host=args.host,
-        ))
+        observability = telemetry.setup(telemetry_config(args))
     except OSError as err:
         raise StartupError(f"metrics on {args.host}:{args.metrics_port}: {err}") from err
 
@@ -143,6 +140,20 @@ def _serve(args) -> None:
         asyncio.run(run())
     finally:
         observability.shutdown()  # flushes the spans not exported yet
+
+
+def telemetry_config(args):
+    """The service's traces and metrics. The orchestrator's HTTP API serves its
+    metrics at /metrics whenever they are on; a --metrics-port equal to
+    --http-port turns them on with that /metrics as their only server."""
+    from tandem import telemetry
+
+    alone = getattr(args, "http_port", None) is not None and args.metrics_port == args.http_port != 0
+    return telemetry.TelemetryConfig(
+        service_name=os.environ.get("OTEL_SERVICE_NAME") or telemetry.SERVICE_NAMES[args.role],
+        traces=args.otel_traces, metrics_port=0 if alone else args.metrics_port, metrics_host=args.host,
+        http_metrics=alone,
+    )
 
 
 async def _start_http(args, grpc_port: int, public: dict):

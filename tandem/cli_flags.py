@@ -93,7 +93,8 @@ def _add_tls_flags(p, what: str, more: str) -> None:
                         "$TANDEM_TLS_CLIENT_CA, else none)")
 
 
-def _add_telemetry_flags(p) -> None:
+def _add_telemetry_flags(p, http_api: bool = False) -> None:
+    """--otel-traces and --metrics-port; `http_api`: the command has --http-port, whose /metrics they reach."""
     from tandem.telemetry import TRACE_EXPORTERS
 
     env = os.environ.get("OTEL_TRACES_EXPORTER", "none")
@@ -102,9 +103,12 @@ def _add_telemetry_flags(p) -> None:
                         "$OTEL_EXPORTER_OTLP_ENDPOINT, default http://localhost:4318). The sampler follows "
                         "$OTEL_TRACES_SAMPLER (default: parent-based, always on) "
                         "(default: $OTEL_TRACES_EXPORTER or %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 = off "
-                        "(default: %(default)s)")
+    also = ("; while metrics are on, the HTTP API (--http-port) serves them at its /metrics too, and a PORT "
+            "equal to --http-port serves them there alone, with no second port; while off, its /metrics answers 404"
+            if http_api else "")
+    p.add_argument("--metrics-port", type=_int_in(0, 65535), default=0, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 = off"
+                        f"{also} (default: %(default)s)")
 
 
 def _add_sampling_flags(p) -> None:
@@ -322,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")
     orch.add_argument("--http-port", type=_int_in(0, 65535), default=None,
                       help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                           "/v1/models, /health) on this port of --host; 0 picks one (default: off)")
+                           "/v1/models, /health, and /metrics while --metrics-port turns metrics on) on this port "
+                           "of --host; 0 picks one (default: off)")
     _add_tls_flags(orch, "the gRPC API, and the HTTP API of --http-port,",
                    "The hops to the model services are TLS with --service-tls-ca")
     orch.add_argument("--service-tls-ca", default=os.environ.get("TANDEM_SERVICE_TLS_CA", ""), metavar="FILE",
@@ -452,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--wait", type=float, default=600,
                       help="seconds to wait for the model services at start; with --draft-fallback on, at most "
                            "30 s for the draft once the target answers (default: %(default)s)")
-    _add_telemetry_flags(orch)
+    _add_telemetry_flags(orch, http_api=True)
 
     gen = sub.add_parser("generate", help="stream a completion of a prompt")
     gen.add_argument("prompt", nargs="?", default=None, help="prompt text")

@@ -35,8 +35,13 @@ TOKENS_BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 33, 65]
 class TelemetryConfig:
     service_name: str
     traces: str = "none"  # none, console (stderr) or otlp (OTLP/HTTP, OTEL_EXPORTER_OTLP_* env)
-    metrics_port: int = 0  # Prometheus /metrics on this port; 0 = no metrics
+    metrics_port: int = 0  # a Prometheus /metrics server on this port; 0 = none
     metrics_host: str = "127.0.0.1"
+    http_metrics: bool = False  # metrics on without that server: the HTTP API's /metrics alone serves them
+
+    @property
+    def metrics(self) -> bool:
+        return bool(self.metrics_port) or self.http_metrics
 
     def __post_init__(self):
         if self.traces not in TRACE_EXPORTERS:
@@ -142,6 +147,7 @@ class Instruments:
 
 _tracer: trace.Tracer | None = None
 _instruments = Instruments()
+_exposed = None  # the meter provider whose Prometheus reader setup() started, until its shutdown
 
 
 def install(tracer_provider=None, meter_provider=None) -> None:
@@ -153,6 +159,19 @@ def install(tracer_provider=None, meter_provider=None) -> None:
 
 def instruments() -> Instruments:
     return _instruments
+
+
+def prometheus_exposition(accept: str = "") -> tuple[bytes, str] | None:
+    """What the metrics server serves, as (body, content type) in the format an
+    HTTP Accept header asks for (Prometheus' text, or OpenMetrics); None while
+    setup() exports no metrics."""
+    if _exposed is None:
+        return None
+    from prometheus_client import REGISTRY
+    from prometheus_client.exposition import choose_encoder
+
+    encode, content_type = choose_encoder(accept)
+    return encode(REGISTRY), content_type
 
 
 def tracing() -> bool:
@@ -245,7 +264,10 @@ class Telemetry:
         self.tracer_provider, self.meter_provider, self.http_server = tracer_provider, meter_provider, http_server
 
     def shutdown(self) -> None:
+        global _exposed
         install()
+        if _exposed is self.meter_provider:
+            _exposed = None
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
         if self.meter_provider is not None:
@@ -258,6 +280,7 @@ class Telemetry:
 def setup(config: TelemetryConfig, set_global: bool = True) -> Telemetry:
     """Exports spans and serves Prometheus metrics as configured, and installs
     the providers here (and as OpenTelemetry's globals when set_global)."""
+    global _exposed
     from opentelemetry.sdk.resources import Resource
 
     resource = Resource.create({"service.name": config.service_name})
@@ -274,16 +297,20 @@ def setup(config: TelemetryConfig, set_global: bool = True) -> Telemetry:
             exporter = ConsoleSpanExporter(out=sys.stderr)
         tracer_provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER, else parent-based on
         tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-    if config.metrics_port:
+    if config.metrics:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
         from prometheus_client import start_http_server
 
+        if config.metrics_port:
+            http_server, _ = start_http_server(config.metrics_port, config.metrics_host)
+            log.info("Prometheus metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+        if config.http_metrics:
+            log.info("Prometheus metrics on the HTTP API's /metrics")
         # Exemplars are not exported to Prometheus, and filtering them off halves a recording's cost.
         meter_provider = MeterProvider([PrometheusMetricReader()], resource=resource,
                                        exemplar_filter=AlwaysOffExemplarFilter())
-        http_server, _ = start_http_server(config.metrics_port, config.metrics_host)
-        log.info("Prometheus metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+        _exposed = meter_provider
     if set_global:
         if tracer_provider is not None:
             trace.set_tracer_provider(tracer_provider)
