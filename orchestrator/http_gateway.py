@@ -69,13 +69,17 @@ class Gateway:
     name; empty = the target model's id, as the orchestrator reports it.
     `allowed_origins`: the web origins ("https://chat.example.com", or "*")
     whose pages' scripts may call it (CORS); none by default.
-    `reasoning_parser`: chat answers' reasoning goes out apart (reasoning_parsers)."""
+    `reasoning_parser`: chat answers' reasoning goes out apart (reasoning_parsers).
+    `tokens_as_ids`: log probabilities name tokens "token_id:ID", where a
+    request does not say (vLLM's return_tokens_as_token_ids)."""
 
     def __init__(self, grpc_address: str, served_model_name: str = "", tool_call_parser: str | None = None,
-                 allowed_origins: tuple[str, ...] = (), reasoning_parser: str | None = None):
+                 allowed_origins: tuple[str, ...] = (), reasoning_parser: str | None = None,
+                 tokens_as_ids: bool = False):
         self.channel = serving.insecure_channel(grpc_address)
         self.tool_call_parser = tool_call_parser or None  # tool_choice "auto" (orchestrator.tool_parsers)
         self.reasoning_parser = reasoning_parser or None  # chat: reasoning_content (orchestrator.reasoning_parsers)
+        self.tokens_as_ids = tokens_as_ids  # log probabilities name tokens "token_id:ID" (a request may say otherwise)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)
         self._model = served_model_name
         self._info: tandem_pb2.ServerInfo | None = None  # the target's facts, fixed while the orchestrator runs
@@ -270,6 +274,8 @@ class Gateway:
         they begin alike and the orchestrator reuses prefixes, the first goes
         ahead until its first event (shares_prefix). `shape`: the answer is a
         Response (the Responses API), not a chat completion."""
+        if call.tokens_as_ids is None:
+            call = dataclasses.replace(call, tokens_as_ids=self.tokens_as_ids)
         model = await self.model_name()
         if call.model is not None and call.model != model:
             raise ApiError(404, f"the model {call.model!r} does not exist: this server serves {model!r}",

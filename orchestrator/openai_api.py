@@ -42,6 +42,8 @@ class Call:
     # vLLM's "prompt_logprobs": each prompt token's log probability and rank, with this many likeliest
     # tokens at its position (a completion's choices, a chat completion's top level); None = not asked
     prompt_logprobs: int | None = None
+    # vLLM's "return_tokens_as_token_ids": log probabilities name tokens "token_id:ID"; None = the server's default
+    tokens_as_ids: bool | None = None
 
     @property
     def most_calls(self) -> int | None:
@@ -97,7 +99,9 @@ def _common(body, chat: bool, prompts: list[tandem_pb2.GenerateRequest], echo=()
     return Call(prompts=tuple(prompts), chat=chat, stream=stream, include_usage=include_usage,
                 return_token_ids=return_token_ids, model=model or None, n=n, echo=tuple(echo),
                 prompt_only=prompt_only, continuous_usage=include_usage and flag(options, "continuous_usage_stats"),
-                prompt_logprobs=prompt_logprobs)
+                prompt_logprobs=prompt_logprobs,
+                tokens_as_ids=None if body.get("return_tokens_as_token_ids") is None
+                else flag(body, "return_tokens_as_token_ids"))
 
 
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:

@@ -74,27 +74,36 @@ def _finite(value: float) -> float:
     return max(value, LOWEST_LOGPROB)
 
 
-def chat_logprobs(logprobs) -> dict:
+def _named(lp, as_ids: bool) -> str:
+    """A token as the answer names it: decoded, or vLLM's "token_id:ID"
+    (return_tokens_as_token_ids), which names a token that does not decode
+    alone (a piece of a multi-byte character) exactly."""
+    return f"token_id:{lp.token_id}" if as_ids else lp.token
+
+
+def chat_logprobs(logprobs, as_ids: bool = False) -> dict:
     """A chat choice's "logprobs" for TokenLogprobs: each token with its
     UTF-8 bytes and its most likely alternatives."""
     def entry(lp) -> dict:
-        return {"token": lp.token, "logprob": _finite(lp.logprob), "bytes": list(lp.token.encode())}
+        token = _named(lp, as_ids)
+        return {"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode())}
 
     return {"content": [{**entry(lp), "top_logprobs": [entry(top) for top in lp.top_logprobs]} for lp in logprobs],
             "refusal": None}
 
 
-def completion_logprobs(logprobs, offset: int = 0, most: int | None = None) -> dict:
+def completion_logprobs(logprobs, offset: int = 0, most: int | None = None, as_ids: bool = False) -> dict:
     """A completion choice's "logprobs": the tokens, their log probabilities,
     for each a map of the `most` likely tokens (and the token itself) to theirs,
-    and where each token starts in the completion's text, from `offset`."""
+    and where each token starts in the completion's text, from `offset` (in
+    the text, also where the tokens are named by id)."""
     answer = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in logprobs:
         top = None
         if lp.logprob is not None:  # None: a prompt's first token
-            top = {alt.token: _finite(alt.logprob) for alt in lp.top_logprobs[:most]}
-            top.setdefault(lp.token, _finite(lp.logprob))
-        answer["tokens"].append(lp.token)
+            top = {_named(alt, as_ids): _finite(alt.logprob) for alt in lp.top_logprobs[:most]}
+            top.setdefault(_named(lp, as_ids), _finite(lp.logprob))
+        answer["tokens"].append(_named(lp, as_ids))
         answer["token_logprobs"].append(None if lp.logprob is None else _finite(lp.logprob))
         answer["top_logprobs"].append(top)
         answer["text_offset"].append(offset)
@@ -107,12 +116,13 @@ class _Unscored:
     """A prompt's first token: no position predicts it."""
 
     token: str
+    token_id: int
     logprob: None = None
     top_logprobs: tuple = ()
 
 
 def _prompt_logprobs(prompt: tandem_pb2.PromptEcho) -> list:
-    return [_Unscored(prompt.first_token), *prompt.logprobs]
+    return [_Unscored(prompt.first_token, prompt.token_ids[0] if prompt.token_ids else 0), *prompt.logprobs]
 
 
 def vllm_prompt_logprobs(prompt: tandem_pb2.PromptEcho, most: int) -> list[dict | None]:
@@ -142,8 +152,8 @@ def _echo_text(call: Call, index: int, prompt: tandem_pb2.PromptEcho) -> str:
 def _choice_logprobs(call: Call, logprobs, offset: int = 0) -> dict | None:
     if not call.request.params.logprobs:
         return None
-    return (chat_logprobs(logprobs) if call.chat
-            else completion_logprobs(logprobs, offset, call.request.params.top_logprobs))
+    return (chat_logprobs(logprobs, call.tokens_as_ids) if call.chat
+            else completion_logprobs(logprobs, offset, call.request.params.top_logprobs, call.tokens_as_ids))
 
 
 @dataclass

@@ -164,7 +164,7 @@ async def _start_http(args, grpc_port: int, public: dict):
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     dial = f"unix:{public['socket']}" if public.get("socket") else f"{host}:{grpc_port}"
     gateway = Gateway(dial, args.served_model_name, args.tool_call_parser, tuple(args.allowed_origins or ()),
-                      args.reasoning_parser)
+                      args.reasoning_parser, args.return_tokens_as_token_ids)
     tls = public.get("tls")
     try:
         runner, port = await start(gateway, args.host, args.http_port, tls.ssl_context() if tls else None)
@@ -200,11 +200,13 @@ def _words(err: Exception) -> str:
 
 
 def _print_logprobs(title: str, logprobs) -> None:
-    """A table on stderr: each token, its log probability, the likeliest there."""
+    """A table on stderr: each token, its log probability, its rank (1: the
+    target's likeliest), the likeliest there."""
     print(f"\n{title}:", file=sys.stderr)
     for lp in logprobs:
         top = "  ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top_logprobs)
-        print(f"{lp.token_id:>8} {lp.token!r:<16} {lp.logprob:9.4f}" + (f"   top: {top}" if top else ""), file=sys.stderr)
+        print(f"{lp.token_id:>8} {lp.token!r:<16} {lp.logprob:9.4f} {'#' + str(lp.rank) if lp.rank else '':>7}"
+              + (f"   top: {top}" if top else ""), file=sys.stderr)
 
 
 def _print_result(result, args) -> None:

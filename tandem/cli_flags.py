@@ -361,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "out apart, as reasoning_content (a reasoning item), as vLLM's parser of the name reads "
                            "it (deepseek_r1: the answer starts inside the reasoning; qwen3: where it opens with "
                            "<think>) (default: none, all of it is content)")
+    orch.add_argument("--return-tokens-as-token-ids", action="store_true",
+                      help="the HTTP API's log probabilities name each token 'token_id:ID' in place of its text, "
+                           "as vLLM's flag (a token that does not decode alone, a piece of a multi-byte "
+                           "character, is then exact); a request's return_tokens_as_token_ids wins "
+                           "(default: the tokens' text)")
     orch.add_argument("--chat-template", default=os.environ.get("TANDEM_CHAT_TEMPLATE", ""), metavar="FILE|TEXT",
                       help="the Jinja chat template that renders conversations, in place of the tokenizer's: a "
                            "file, or the template's text (as vLLM's flag); for a model without one, or to fix "

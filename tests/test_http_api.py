@@ -394,6 +394,42 @@ def test_vllm_prompt_logprobs_and_prompt_token_ids(http, char_models):
         assert refused.value.body["param"] == "prompt_logprobs"
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(http, char_models):
+    """vLLM's return_tokens_as_token_ids: log probabilities name tokens
+    "token_id:ID" (echoed prompt, completion, the likeliest, chat's bytes),
+    the text and its offsets unchanged; --return-tokens-as-token-ids makes it
+    the server's default, which a request may turn off."""
+    cluster, base, tokenizer = http
+    target = char_models["target"]
+    prompt = "def fib(n):"
+    ids = tokenizer.encode(prompt)
+    expected = reference_greedy(target, ids, 6)
+    body = dict(model="tandem-tiny", prompt=prompt, echo=True, max_tokens=6, logprobs=2, temperature=0)
+    plain = client(base).completions.create(**body).choices[0]
+    named = client(base).completions.create(**body, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert named.text == plain.text == prompt + tokenizer.decode(expected)
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in ids + expected]
+    assert named.logprobs.text_offset == plain.logprobs.text_offset and named.logprobs.token_logprobs == \
+        plain.logprobs.token_logprobs
+    for top, plain_top in zip(named.logprobs.top_logprobs[1:], plain.logprobs.top_logprobs[1:]):
+        assert {f"token_id:{tokenizer.convert_tokens_to_ids(t) if len(t) > 1 else ord(t)}": v
+                for t, v in plain_top.items()} == top
+
+    base_ids, stop = _gateway(cluster, "tandem-tiny", tokens_as_ids=True)  # the server's default
+    try:
+        messages = [{"role": "user", "content": "count to five"}]
+        chat = client(base_ids).chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=5,
+                                                        temperature=0, logprobs=True, top_logprobs=1,
+                                                        extra_body={"return_token_ids": True}).choices[0]
+        for token_id, entry in zip(chat.token_ids, chat.logprobs.content):
+            assert entry.token == f"token_id:{token_id}" and bytes(entry.bytes).decode() == entry.token
+            assert all(alt.token.startswith("token_id:") for alt in entry.top_logprobs)
+        again = client(base_ids).completions.create(**body, extra_body={"return_tokens_as_token_ids": False})
+        assert again.choices[0].logprobs.tokens == plain.logprobs.tokens
+    finally:
+        stop()
+
+
 def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(http, char_models):
     """The endpoints lm-evaluation-harness's remote tokenizer and other vLLM
     clients use: the ids are the ones Generate would run, a conversation's
