@@ -34,6 +34,7 @@ class ProposeCall:
     return_dists: bool
     first_is_bonus_guess: bool
     alternatives: bool = False  # greedy: also return the runner-up at each position
+    priority: int = 0  # the request's: the call's place in the worker's queue, the lowest first
 
 
 @dataclass(frozen=True)

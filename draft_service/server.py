@@ -151,7 +151,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         self.batcher = None
         if options.batch_drafts > 1:
             self.batcher = CallBatcher(worker, self.drafter.propose_batch, options.batch_drafts,
-                                       lambda item: item[0].session_id)
+                                       lambda item: item[0].session_id, lambda item: item[0].priority)
             log.info("greedy blocks of up to %d sessions that queue are drafted in lockstep", options.batch_drafts)
 
     def _call(self, request) -> ProposeCall:
@@ -174,6 +174,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             return_dists=request.return_distributions,
             first_is_bonus_guess=request.first_is_bonus_guess,
             alternatives=request.return_alternatives,
+            priority=request.priority,
         )
 
     async def ProposeStream(self, calls, context):
@@ -198,7 +199,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         """A Prepare's drafting, on the model worker like a Propose call's."""
         rows = self._rows(call)
         return await self.worker.run(self._propose_prepared, call, cancelled, cancelled=cancelled,
-                                     span=f"tandem.{self.role}.compute", short=rows is not None and rows <= INLINE_MAX_ROWS)
+                                     span=f"tandem.{self.role}.compute", short=rows is not None and rows <= INLINE_MAX_ROWS,
+                                     priority=call.priority)
 
     async def Prepare(self, requests, context):
         """Propose requests sent by the target on its verdicts (draft_service.prepared)."""
@@ -255,7 +257,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                     proposal = await self.run_batched(context, self.batcher, (call, cancelled))
                 else:
                     proposal = await self.run_checked(context, self.drafter.propose, call, cancelled,
-                                                      cancelled=cancelled, rows=self._rows(call))
+                                                      cancelled=cancelled, rows=self._rows(call),
+                                                      priority=call.priority)
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:
                 telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)

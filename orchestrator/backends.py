@@ -84,8 +84,10 @@ class VerifyResult:
 class Proposer(Protocol):
     async def propose(
         self, session_id: str, prefix: Prefix, new_tokens: list[int], k: int,
-        sampling: SamplingParams, bonus_guess: bool = False, alternatives: bool = False,
-    ) -> DraftBlock: ...
+        sampling: SamplingParams, bonus_guess: bool = False, alternatives: bool = False, priority: int = 0,
+    ) -> DraftBlock:
+        """priority (passed only when not 0): the request's
+        (GenerationParams.priority), the call's place in the service's queue."""
 
     async def release(self, session_id: str) -> None: ...
 
@@ -99,6 +101,7 @@ class Verifier(Protocol):
         self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
         sampling: SamplingParams, relay_k: int = 0, relay_all_accepted: bool = False,
         relay_alternatives: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
+        priority: int = 0,
     ) -> VerifyResult:
         """logprobs (passed only when set): the result also carries each
         committed token's log probability and those of the `logprobs` most
@@ -109,7 +112,8 @@ class Verifier(Protocol):
         if relay_all_accepted, the target also sends the draft the call that
         drafts relay_k tokens after its verdict (target_service.relay), asking
         for runner-ups if relay_alternatives. The block's alternatives, if any,
-        are verified beside it (greedy)."""
+        are verified beside it (greedy). priority (passed only when not 0): as
+        Proposer.propose's."""
 
     async def release(self, session_id: str) -> None: ...
 
@@ -192,7 +196,8 @@ class GrpcProposer(_GrpcClient):
         super().__init__(address, draft_pb2_grpc.DraftServiceStub, timeout_s, transport, "Propose",
                          draft_pb2.ProposeCall, tls)
 
-    async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False, alternatives=False):
+    async def propose(self, session_id, prefix, new_tokens, k, sampling, bonus_guess=False, alternatives=False,
+                      priority=0):
         request = draft_pb2.ProposeRequest(
             session_id=session_id,
             prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
@@ -202,6 +207,7 @@ class GrpcProposer(_GrpcClient):
             return_distributions=not sampling.greedy,
             first_is_bonus_guess=bonus_guess,
             return_alternatives=alternatives,
+            priority=priority,
         )
         start = time.perf_counter()
         reply = await self._call(request)
@@ -232,7 +238,7 @@ class GrpcVerifier(_GrpcClient):
         self.relays = bool(relay_to)
 
     async def verify(self, session_id, prefix, new_tokens, block, sampling, relay_k=0, relay_all_accepted=False,
-                     relay_alternatives=False, logprobs=None, prompt_logprobs=None):
+                     relay_alternatives=False, logprobs=None, prompt_logprobs=None, priority=0):
         request = target_pb2.VerifyRequest(
             session_id=session_id,
             prefix=common_pb2.PrefixRef(length=prefix.length, fingerprint=prefix.fingerprint),
@@ -246,6 +252,7 @@ class GrpcVerifier(_GrpcClient):
             return_logprobs=logprobs is not None,
             return_new_token_logprobs=prompt_logprobs is not None,
             top_logprobs=max(logprobs or 0, prompt_logprobs or 0),
+            priority=priority,
         )
         if relay_k and self.relay_to:
             request.relay.draft_address = self.relay_to

@@ -10,6 +10,7 @@ from orchestrator.policy import KPolicyConfig
 
 TRANSPORTS = ("stream", "unary")  # model calls on one stream per service, or unary rpcs
 MAX_TREE_WIDTH = 16  # alternatives a verify carries at most
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the model services' queues: arrival order, or requests' priority first
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,10 @@ class OrchestratorConfig:
     # (ChatMessages.chat_template), which the orchestrator then runs.
     chat_template: str = ""
     trust_request_chat_template: bool = False
+    # "fcfs": the model services run calls in arrival order, and a request's
+    # priority other than 0 is refused; "priority": a request's calls queue by
+    # its GenerationParams.priority, the lowest first (vLLM's --scheduling-policy).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
@@ -128,6 +133,9 @@ class OrchestratorConfig:
             raise ValueError(f"response_ttl_s must be >= 1, got {self.response_ttl_s}")
         if self.tree_width is not None and not 0 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ValueError(f"tree_width must be in [0, {MAX_TREE_WIDTH}], got {self.tree_width}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0 (0: no limit), got {self.max_concurrent_requests}")
         if not self.service_timeout_s > 0:

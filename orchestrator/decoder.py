@@ -47,6 +47,7 @@ class Decoder:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         plain_first: bool = False,
+        priority: int = 0,
     ):
         self.proposer = proposer
         self.verifier = verifier
@@ -89,6 +90,8 @@ class Decoder:
         # in (after the first of them): prompt_scores once it answered.
         self.prompt_logprobs = prompt_logprobs
         self.prompt_scores: list | None = None
+        # The request's priority, on each of its service calls (named only when not 0).
+        self.call_extra = {"priority": priority} if priority else {}
 
     # --- service calls, with re-sync on cache miss ------------------------------
     def _pending(self, view: ServiceView) -> int:
@@ -130,7 +133,7 @@ class Decoder:
             try:
                 block = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
                     self.session_id, self.committed.prefix(base), self.committed.tokens[base:], k, self.sampling,
-                    alternatives=self.tree_width > 0))
+                    alternatives=self.tree_width > 0, **self.call_extra))
             except ServiceUnavailable as err:
                 if not self.breaker.trip(err):
                     raise
@@ -149,8 +152,9 @@ class Decoder:
                       relay_all_accepted: bool = False) -> VerifyResult:
         # The keyword arguments beyond the call's own, named only when set.
         extra = {"relay_k": relay_k, "relay_all_accepted": relay_all_accepted} if relay_k else {}
-        if extra and self.tree_width:
+        if relay_k and self.tree_width:
             extra["relay_alternatives"] = True
+        extra.update(self.call_extra)
         if self.logprobs is not None:
             extra["logprobs"] = self.logprobs
         if self.prompt_logprobs is not None and self.prompt_scores is None:
@@ -184,6 +188,7 @@ class Decoder:
                     self.sampling,
                     bonus_guess=True,
                     alternatives=self.tree_width > 0,
+                    **self.call_extra,
                 )
                 self.breaker.reset()
                 return pre
@@ -213,7 +218,7 @@ class Decoder:
             try:
                 pre = await self._resynced(self.draft_view, span, lambda base: self.proposer.propose(
                     self.session_id, self.committed.prefix(base), self.committed.tokens[base:], n, self.sampling,
-                    bonus_guess=True, alternatives=self.tree_width > 0))
+                    bonus_guess=True, alternatives=self.tree_width > 0, **self.call_extra))
                 self.breaker.reset()
                 return pre
             except ServiceCacheMiss:

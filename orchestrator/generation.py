@@ -42,6 +42,7 @@ class RequestParams:
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it as a stop string does
     echo: bool = False  # the first delta carries the prompt
     prompt_logprobs: int | None = None  # and with it its tokens' log probabilities and the n likeliest
+    priority: int = 0  # its calls' place in the model services' queues, the lowest first
     min_tokens: int = 0  # no end-of-sequence token (nor stop token id) among the first min_tokens
     grammar: str = ""  # structured output: the completion follows this llguidance grammar (tandem.structured)
     grammar_after: tuple[int, ...] = ()  # the grammar waits for these tokens (a reasoning's end: closed_in_prompt)
@@ -208,6 +209,7 @@ class Generation:
             end=min(self.config.max_context, len(record.tokens) + params.max_tokens),
             end_ids=ends, logprobs=params.logprobs,
             prompt_logprobs=params.prompt_logprobs, plain_first=params.seeded and not params.sampling.greedy,
+            priority=params.priority,
         )
         metrics = RequestMetrics(telemetry.instruments())
         detok = Detokenizer(self.tokenizer, params.skip_special_tokens)

@@ -16,7 +16,8 @@ class InProcessProposer:
         self.drafter = drafter  # draft_service.drafters.Drafter
 
     async def propose(self, session_id: str, prefix: Prefix, new_tokens: list[int], k: int,
-                      sampling: SamplingParams, bonus_guess: bool = False, alternatives: bool = False) -> DraftBlock:
+                      sampling: SamplingParams, bonus_guess: bool = False, alternatives: bool = False,
+                      priority: int = 0) -> DraftBlock:
         from draft_service.drafters import ProposeCall
 
         call = ProposeCall(session_id, prefix.length, prefix.fingerprint, list(new_tokens), k, sampling,
@@ -42,7 +43,7 @@ class InProcessVerifier:
 
     async def verify(self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
                      sampling: SamplingParams, logprobs: int | None = None,
-                     prompt_logprobs: int | None = None) -> VerifyResult:
+                     prompt_logprobs: int | None = None, priority: int = 0) -> VerifyResult:
         import torch
 
         from target_service.verifier import VerifyCall

@@ -238,6 +238,9 @@ def generation_params(body: dict, max_tokens_names: tuple[str, ...], chat: bool)
         if truncate == 0:
             raise invalid("truncate_prompt_tokens", "'truncate_prompt_tokens' must be -1 or >= 1, not 0")
         params.truncate_prompt_tokens = truncate
+    # vLLM's (with --scheduling-policy priority): the request's calls queue by it, the lowest first.
+    if (priority := number(body, "priority", -INT32_MAX - 1, INT32_MAX, integer=True)) is not None:
+        params.priority = priority
     if body.get("skip_special_tokens") is not None:  # vLLM's; default true
         params.skip_special_tokens = flag(body, "skip_special_tokens")
     _logprobs(body, chat, params)

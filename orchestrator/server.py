@@ -97,7 +97,8 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         target = self.target_info
         self._load_tokenizer(target)
         self.reader = RequestReader(target, self.tokenizer, self.template, self.config.default_max_tokens,
-                                    self.config.trust_request_chat_template)
+                                    self.config.trust_request_chat_template,
+                                    self.config.scheduling_policy == "priority")
         self.generation = Generation(
             self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
             EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback,

@@ -97,6 +97,7 @@ def _serve(args) -> None:
                 service_tls_key=args.service_tls_key, service_tls_server_name=args.service_tls_server_name,
                 chat_template=chat_template_text(args.chat_template) if args.chat_template else "",
                 trust_request_chat_template=args.trust_request_chat_template,
+                scheduling_policy=args.scheduling_policy,
             )
             public["tls"] = _server_tls(args)
             if public["tls"] is not None and args.http_port is not None:

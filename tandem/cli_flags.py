@@ -361,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "out apart, as reasoning_content (a reasoning item), as vLLM's parser of the name reads "
                            "it (deepseek_r1: the answer starts inside the reasoning; qwen3: where it opens with "
                            "<think>) (default: none, all of it is content)")
+    orch.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                      help="fcfs: the model services run calls in arrival order, and a request's priority other "
+                           "than 0 is refused; priority: each request's calls queue on the services by its "
+                           "priority (the HTTP API's and GenerationParams' priority), the lowest first, ties in "
+                           "arrival order, as vLLM's flag; a running call is never pre-empted, and a busy "
+                           "service can starve the later priorities (default: %(default)s)")
     orch.add_argument("--return-tokens-as-token-ids", action="store_true",
                       help="the HTTP API's log probabilities name each token 'token_id:ID' in place of its text, "
                            "as vLLM's flag (a token that does not decode alone, a piece of a multi-byte "

@@ -129,12 +129,14 @@ class ModelServiceBase:
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
-    async def run_checked(self, context, fn, *args, cancelled=None, rows: int | None = None):
+    async def run_checked(self, context, fn, *args, cancelled=None, rows: int | None = None, priority: int = 0):
         """Runs fn on the model worker and maps failures to status codes;
-        `rows`: the token rows the call computes (inline if few)."""
+        `rows`: the token rows the call computes (inline if few); `priority`:
+        the request's, its place in the worker's queue."""
         return await self._mapped(context, self.worker.run(fn, *args, cancelled=cancelled,
                                                            span=f"tandem.{self.role}.compute",
-                                                           short=rows is not None and rows <= INLINE_MAX_ROWS))
+                                                           short=rows is not None and rows <= INLINE_MAX_ROWS,
+                                                           priority=priority))
 
     async def run_batched(self, context, batcher, call):
         """As run_checked, through a tandem.batcher.CallBatcher (--batch-verifies, --batch-drafts)."""

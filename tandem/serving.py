@@ -3,12 +3,14 @@ reflection, a single model worker thread, status helpers and graceful drain."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
+import itertools
 import logging
+import queue
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, TypeVar
 
 import grpc
@@ -138,7 +140,11 @@ def service_channel(address: str, credentials=None, server_name: str = "") -> gr
 
 
 class ModelWorker:
-    """One thread that owns the model: calls run one at a time, in arrival order.
+    """One thread that owns the model: calls run one at a time, the lowest
+    `priority` first and, among equals, in arrival order (vLLM's priority
+    scheduling: a request's priority rides on each of its calls; all 0, the
+    order is arrival's). A call that has started runs to its end: a later,
+    more urgent one waits for it, never pre-empts it.
 
     A cancelled call that has not started never runs; one that has started sees
     its `cancelled` event set and may stop early (between draft steps).
@@ -156,20 +162,49 @@ class ModelWorker:
     the loop after it. The loop waits meanwhile, which a short call allows."""
 
     def __init__(self, name: str, inline: bool = False):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._arrivals = itertools.count()  # ties in priority go in arrival order
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"{name}_0", daemon=True)
+        self._thread.start()
         self.inline = inline
         self.queue_depth = 0
         self.inline_calls = 0
 
+    def _serve(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:  # shutdown
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled before it started
+            try:
+                result = fn(*args)
+            except BaseException as err:  # noqa: BLE001 (the caller gets it)
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+
+    def submit(self, fn: Callable[..., T], *args, priority: int = 0) -> concurrent.futures.Future:
+        """fn(*args) queued for the worker thread, by priority then arrival;
+        RuntimeError once the worker is shut down."""
+        if self._closed:
+            raise RuntimeError("the model worker is shut down")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((priority, next(self._arrivals), (future, fn, args)))
+        return future
+
     def start_up(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the worker thread, waited for: loading the model before serving."""
-        return self._executor.submit(fn, *args).result()
+        return self.submit(fn, *args).result()
 
     async def run(self, fn: Callable[..., T], *args, cancelled: threading.Event | None = None,
-                  span: str | None = None, short: bool = False) -> T:
+                  span: str | None = None, short: bool = False, priority: int = 0) -> T:
         """Runs fn(*args) on the worker thread, or inline if it is `short` and
         the worker idle (see the class); `span` names a span for it under the
-        current one while tracing."""
+        current one while tracing; `priority`: its place in the queue (lower
+        first)."""
         if span is not None:
             fn = telemetry.in_span(span, fn)
         if short and self.inline and self.queue_depth == 0:
@@ -178,7 +213,7 @@ class ModelWorker:
             self.inline_calls += 1
             return fn(*args)
         loop = asyncio.get_running_loop()
-        job = self._executor.submit(fn, *args)
+        job = self.submit(fn, *args, priority=priority)
         # A call counts in queue_depth until its function has run, or was
         # cancelled before it started: a cancelled call that is running still
         # holds the worker.
@@ -195,7 +230,16 @@ class ModelWorker:
         self.queue_depth -= 1
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Cancels the calls that have not started; the thread ends after the running one."""
+        self._closed = True
+        while True:
+            try:
+                _, _, job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._queue.put((float("inf"), next(self._arrivals), None))
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:

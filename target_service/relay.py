@@ -49,6 +49,7 @@ def next_request(request, accepted: int, next_token: int, more_tokens=()) -> dra
         sampling=request.sampling,
         return_distributions=request.relay.return_distributions,
         return_alternatives=request.relay.return_alternatives,
+        priority=request.priority,
     )
 
 

@@ -83,7 +83,8 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
         super().__init__(info, store, worker)
         self.verifier = Verifier(runner, store)
-        self.batcher = (CallBatcher(worker, self.verifier.verify_batch, batch_verifies, lambda call: call.session_id)
+        self.batcher = (CallBatcher(worker, self.verifier.verify_batch, batch_verifies, lambda call: call.session_id,
+                                    lambda call: call.priority)
                         if batch_verifies > 1 else None)
         self.tree_width = suggested_tree_width(model, runner)
         self.relay = Relay()
@@ -130,6 +131,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             draft_probs=list(request.draft_probs),
             draft_dists=draft_dists,
             sampling=sampling,
+            priority=request.priority,
         )
 
     def _alternatives(self, request, draft_tokens: list[int], sampling) -> tuple[tuple[int, int], ...]:
@@ -168,7 +170,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             if self.batcher is not None:
                 outcome = await self.run_batched(context, self.batcher, call)
             else:
-                outcome = await self.run_checked(context, self.verifier.verify, call,
+                outcome = await self.run_checked(context, self.verifier.verify, call, priority=call.priority,
                                                  rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
             self.prefill_tokens += outcome.prefilled
             relay = request.relay

@@ -33,6 +33,7 @@ class VerifyCall:
     alternatives: tuple[tuple[int, int], ...] = ()  # greedy: (draft position, token) verified beside the block
     logprobs: int | None = None  # None: none; n: each committed token's log probability and the top n's
     prompt_logprobs: int | None = None  # as logprobs, for the new tokens after the first (a prompt's)
+    priority: int = 0  # the request's: the call's place in the worker's queue, the lowest first
 
 
 @dataclass(frozen=True)

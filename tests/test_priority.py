@@ -1,0 +1,191 @@
+"""Priority scheduling (--scheduling-policy priority, vLLM's request priority):
+a model service's worker runs the lowest priority first, ties in arrival
+order; the batcher fills its batches the same way; end to end, a request's
+priority reaches the services' queues, and the output is still the target
+alone's. With the default policy (fcfs) a priority other than 0 is refused."""
+import asyncio
+import concurrent.futures
+import threading
+
+import grpc
+import openai
+import pytest
+
+from tandem.batcher import CallBatcher
+from tandem.serving import ModelWorker
+from tests.conftest import Cluster, reference_greedy
+from tests.test_http_api import _gateway, client
+
+
+def _gated(worker: ModelWorker) -> threading.Event:
+    """A call that holds the worker, running, until the event is set."""
+    gate, started = threading.Event(), threading.Event()
+
+    def hold():
+        started.set()
+        gate.wait()
+
+    worker.submit(hold)
+    assert started.wait(30)
+    return gate
+
+
+def test_the_worker_runs_the_lowest_priority_first_ties_in_arrival_order():
+    worker = ModelWorker("test-priority")
+    try:
+        ran = []
+        gate = _gated(worker)
+        jobs = [worker.submit(ran.append, name, priority=priority)
+                for name, priority in (("a", 5), ("b", 0), ("c", -1), ("d", 0), ("e", 5), ("f", -1))]
+        dropped = worker.submit(ran.append, "dropped", priority=-9)
+        assert dropped.cancel()  # not started: it never runs
+        gate.set()
+        concurrent.futures.wait(jobs, timeout=30)
+        assert ran == ["c", "f", "b", "d", "a", "e"]
+        assert worker.start_up(lambda: threading.current_thread().name) == "test-priority_0"
+
+        async def one_at_a_time():  # run(): the same queue, awaited on a loop
+            gate = _gated(worker)
+            tasks = [asyncio.ensure_future(worker.run(ran.append, name, priority=p)) for name, p in
+                     (("late", 3), ("urgent", -3), ("middle", 0))]
+            await asyncio.sleep(0.05)
+            assert worker.queue_depth == 3
+            gate.set()
+            await asyncio.gather(*tasks)
+
+        ran.clear()
+        asyncio.run(one_at_a_time())
+        assert ran == ["urgent", "middle", "late"] and worker.queue_depth == 0
+    finally:
+        worker.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit(ran.append, "after shutdown")
+
+
+def test_shutdown_cancels_what_has_not_started():
+    worker = ModelWorker("test-priority-shutdown")
+    gate = _gated(worker)
+    queued = [worker.submit(lambda: None, priority=p) for p in (0, 1)]
+    worker.shutdown()
+    gate.set()
+    assert all(job.cancelled() for job in queued)
+
+
+class _RecordingWorker(ModelWorker):
+    """A model worker that notes the priority each call queues with."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.priorities = []
+
+    async def run(self, fn, *args, priority: int = 0, **kwargs):
+        self.priorities.append(priority)
+        return await super().run(fn, *args, priority=priority, **kwargs)
+
+
+def test_a_batcher_fills_its_batches_by_priority():
+    """Five sessions queue behind a running batch of two: the next batches
+    take the most urgent first (ties in arrival order), and each queues on
+    the worker at its most urgent call's priority."""
+    worker = _RecordingWorker("test-priority-batch")
+    batches = []
+
+    def run_batch(calls):
+        batches.append([name for name, _ in calls])
+        return [name for name, _ in calls]
+
+    async def scenario():
+        batcher = CallBatcher(worker, run_batch, 2, session_of=lambda call: call[0],
+                              priority_of=lambda call: call[1])
+        gate = _gated(worker)
+        first = asyncio.ensure_future(batcher.submit(("first", 0)))  # runs at once, behind the gate
+        await asyncio.sleep(0.05)
+        later = [asyncio.ensure_future(batcher.submit(call))
+                 for call in (("p4", 4), ("p1", 1), ("q4", 4), ("m2", -2), ("p1b", 1))]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(first, *later)
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        worker.shutdown()
+    assert results == ["first", "p4", "p1", "q4", "m2", "p1b"]  # each call its own result
+    assert batches == [["first"], ["m2", "p1"], ["p1b", "p4"], ["q4"]]
+    assert worker.priorities == [0, -2, 1, 4]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models):
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], inline_compute="off",
+                      orchestrator={"scheduling_policy": "priority"})
+    yield cluster
+    cluster.stop()
+
+
+def test_a_requests_priority_orders_its_calls_on_the_target(cluster, tiny_models):
+    """Three requests of priority 5 and then one of -1 queue on a target that
+    is busy: the -1 request's call runs first. Each output equals the target
+    alone's."""
+    target = cluster.target
+    seen = []
+    verify = target.verifier.verify
+
+    def recording(call, *args, **kwargs):
+        seen.append(call.priority)
+        return verify(call, *args, **kwargs)
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [10, 20, 30, 40, 50], [7, 7, 7, 8, 9], [11, 12, 13, 14, 15, 16]]
+    priorities = [5, 5, 5, -1]
+    gate = threading.Event()
+    held = asyncio.run_coroutine_threadsafe(target.worker.run(gate.wait), cluster.loop)
+    target.verifier.verify = recording
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = []
+            for prompt, priority in zip(prompts, priorities):
+                futures.append(pool.submit(_generate, cluster, prompt, priority))
+                for _ in range(400):  # its first target call queued, behind the gate and those before it
+                    if target.worker.queue_depth >= len(futures) + 1:
+                        break
+                    threading.Event().wait(0.01)
+                assert target.worker.queue_depth == len(futures) + 1
+            gate.set()
+            held.result(30)
+            results = [future.result(120) for future in futures]
+    finally:
+        target.verifier.verify = verify
+    assert seen[0] == -1 and seen[1:4] == [5, 5, 5]
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 12)
+
+
+def _generate(cluster: Cluster, prompt: list[int], priority: int):
+    with cluster.client() as api:
+        return api.generate(prompt_ids=prompt, max_tokens=12, priority=priority)
+
+
+def test_the_http_api_takes_vllms_priority(cluster, tiny_models):
+    base, stop = _gateway(cluster)
+    try:
+        answer = client(base).completions.create(model=None, prompt=[3, 1, 4, 1, 5], max_tokens=8, temperature=0,
+                                                 extra_body={"priority": -7, "return_token_ids": True})
+        assert answer.choices[0].token_ids == reference_greedy(tiny_models["target"], [3, 1, 4, 1, 5], 8)
+        with pytest.raises(openai.BadRequestError, match="'priority' must be an integer") as refused:
+            client(base).completions.create(model=None, prompt=[3, 1], max_tokens=2, extra_body={"priority": 1.5})
+        assert refused.value.body["param"] == "priority"
+    finally:
+        stop()
+
+
+def test_first_come_first_served_refuses_a_priority(tiny_models):
+    cluster = Cluster(tiny_models["target"], tiny_models["other"])  # the default policy, fcfs
+    try:
+        with cluster.client() as api:
+            with pytest.raises(grpc.RpcError) as caught:
+                api.generate(prompt_ids=[3, 1, 4], max_tokens=2, priority=1)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "--scheduling-policy priority" in caught.value.details()
+            assert len(api.generate(prompt_ids=[3, 1, 4], max_tokens=2, priority=0).token_ids) == 2
+    finally:
+        cluster.stop()
