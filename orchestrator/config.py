@@ -125,6 +125,9 @@ class OrchestratorConfig:
     # priority other than 0 is refused; "priority": a request's calls queue by
     # its GenerationParams.priority, the lowest first (vLLM's --scheduling-policy).
     scheduling_policy: str = "fcfs"
+    # Each tenant's priority ("*": every tenant not named): its requests' where
+    # they give none, and the earliest they may ask for (priority policy only).
+    tenant_priorities: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.default_max_tokens < 1 or self.session_ttl_s < 1:
@@ -136,6 +139,8 @@ class OrchestratorConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.tenant_priorities and self.scheduling_policy != "priority":
+            raise ValueError("tenant priorities need the priority scheduling policy (--scheduling-policy priority)")
         if self.max_concurrent_requests < 0:
             raise ValueError(f"max_concurrent_requests must be >= 0 (0: no limit), got {self.max_concurrent_requests}")
         if not self.service_timeout_s > 0:

@@ -30,7 +30,9 @@ class RequestReader:
     trust_request_chat_template: bool = False  # a request may bring its own chat template
     priority_scheduling: bool = False  # --scheduling-policy priority: a request may give a priority other than 0
 
-    def params(self, msg: tandem_pb2.GenerationParams) -> RequestParams:
+    def params(self, msg: tandem_pb2.GenerationParams, priority_floor: int | None = None) -> RequestParams:
+        """priority_floor: the tenant's priority (--tenant-priority), the
+        request's where it gives none (the caller has refused one below it)."""
         seed = msg.seed if msg.HasField("seed") else random.getrandbits(63)
         sampling = SamplingParams(
             temperature=msg.temperature if msg.HasField("temperature") else 0.0,
@@ -60,8 +62,9 @@ class RequestReader:
             reasoning_end, reasoning_end_ids, reasoning_start = self._reasoning(msg.reasoning)
         if msg.HasField("top_logprobs") and not msg.logprobs:
             raise ValueError("top_logprobs needs logprobs")
-        if msg.priority and not self.priority_scheduling:
-            raise ValueError(f"priority {msg.priority} needs an orchestrator started with --scheduling-policy "
+        priority = msg.priority if msg.HasField("priority") or priority_floor is None else priority_floor
+        if priority and not self.priority_scheduling:
+            raise ValueError(f"priority {priority} needs an orchestrator started with --scheduling-policy "
                              "priority: this one runs calls first come, first served (priority 0)")
         return RequestParams(
             sampling=sampling,
@@ -84,7 +87,7 @@ class RequestReader:
             reasoning_start=reasoning_start,
             truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
             skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
-            priority=msg.priority,
+            priority=priority,
         )
 
     @staticmethod

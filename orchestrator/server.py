@@ -216,6 +216,18 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
     async def _tenant(self, context) -> str:
         return await call_tenant(context, self.api_keys)
 
+    async def _priority_floor(self, context, tenant: str, params: tandem_pb2.GenerationParams) -> int | None:
+        """The tenant's priority (--tenant-priority; "*" for the tenants not
+        named), None where it has none; a request that asks for an earlier one
+        ends with PERMISSION_DENIED."""
+        priorities = self.config.tenant_priorities
+        floor = priorities.get(tenant, priorities.get("*"))
+        if floor is not None and params.HasField("priority") and params.priority < floor:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"tenant {tenant!r} may ask for priority {floor} or later (a larger number), "
+                                f"not {params.priority}")
+        return floor
+
     # --- rpcs ----------------------------------------------------------------------
     @admitted
     @store_unavailable
@@ -223,8 +235,9 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
     async def Generate(self, request, context):
         tenant = await self._tenant(context)
         generation = await self._ready(context)
+        floor = await self._priority_floor(context, tenant, request.params)
         try:
-            params = self.reader.params(request.params)
+            params = self.reader.params(request.params, floor)
             messages = None
             kind = request.WhichOneof("prompt")
             if params.truncate_prompt_tokens is not None and (request.keep_session or kind == "fill"):
@@ -307,9 +320,10 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         tenant = await self._tenant(context)
         generation = await self._ready(context)
         record = await self._load(context, tenant, request.session_id)
+        floor = await self._priority_floor(context, tenant, request.params)
         user = None
         try:
-            params = self.reader.params(request.params)
+            params = self.reader.params(request.params, floor)
             if params.echo or params.prompt_logprobs is not None or params.truncate_prompt_tokens is not None:
                 raise ValueError("echo, prompt_logprobs and truncate_prompt_tokens are Generate's: a Chat turn is "
                                  "not a prompt of its own")

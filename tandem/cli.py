@@ -98,6 +98,7 @@ def _serve(args) -> None:
                 chat_template=chat_template_text(args.chat_template) if args.chat_template else "",
                 trust_request_chat_template=args.trust_request_chat_template,
                 scheduling_policy=args.scheduling_policy,
+                tenant_priorities=dict(args.tenant_priority or ()),
             )
             public["tls"] = _server_tls(args)
             if public["tls"] is not None and args.http_port is not None:

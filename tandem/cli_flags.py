@@ -146,6 +146,9 @@ def _add_sampling_flags(p) -> None:
                    help="the text keeps the stop string that ended it (vLLM's include_stop_str_in_output)")
     p.add_argument("--stop-token-id", action="append", type=_int_in(0, INT32_MAX), default=None, metavar="ID",
                    help="a token id that ends the generation (repeatable; default: none)")
+    p.add_argument("--priority", type=_int_in(-INT32_MAX - 1, INT32_MAX), default=None,
+                   help="the request's place in the model services' queues, the lowest first (a server run "
+                        "with --scheduling-policy priority; default: 0, or the tenant's --tenant-priority)")
     p.add_argument("--min-tokens", type=_int_in(0, INT32_MAX), default=None,
                    help="no end-of-sequence token among the first N generated (default: 0)")
     p.add_argument("--logit-bias", action="append", type=_bias, default=None, metavar="ID=BIAS",
@@ -207,6 +210,18 @@ def _bias(text: str) -> tuple[int, float]:
     return pair
 
 
+def _tenant_priority(text: str) -> tuple[str, int]:
+    """--tenant-priority TENANT=N."""
+    tenant, _, priority = text.rpartition("=")
+    try:
+        pair = tenant, int(priority)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TENANT=PRIORITY, such as premium=-1, got {text!r}") from None
+    if not tenant or not -INT32_MAX - 1 <= pair[1] <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"a tenant and a 32-bit priority, got {text!r}")
+    return pair
+
+
 def sampling_kwargs(args) -> dict:
     return dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -221,6 +236,7 @@ def sampling_kwargs(args) -> dict:
         structured_output=_structured_output(args),
         reasoning=_reasoning(args),
         skip_special_tokens=False if args.keep_special_tokens else None,
+        priority=args.priority,
     )
 
 
@@ -367,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "priority (the HTTP API's and GenerationParams' priority), the lowest first, ties in "
                            "arrival order, as vLLM's flag; a running call is never pre-empted, and a busy "
                            "service can starve the later priorities (default: %(default)s)")
+    orch.add_argument("--tenant-priority", action="append", type=_tenant_priority, default=None,
+                      metavar="TENANT=N",
+                      help="with --scheduling-policy priority: the tenant's requests' priority where they give "
+                           "none, and the earliest they may ask for (earlier is PERMISSION_DENIED); * names "
+                           "every tenant not named, e.g. '*=0' keeps all but the named ones from jumping the "
+                           "queue (repeat the flag; default: none, any priority may be asked for)")
     orch.add_argument("--return-tokens-as-token-ids", action="store_true",
                       help="the HTTP API's log probabilities name each token 'token_id:ID' in place of its text, "
                            "as vLLM's flag (a token that does not decode alone, a piece of a multi-byte "

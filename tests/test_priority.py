@@ -118,7 +118,8 @@ def test_a_batcher_fills_its_batches_by_priority():
 @pytest.fixture(scope="module")
 def cluster(tiny_models):
     cluster = Cluster(tiny_models["target"], tiny_models["other"], inline_compute="off",
-                      orchestrator={"scheduling_policy": "priority"})
+                      orchestrator={"scheduling_policy": "priority",
+                                    "tenant_priorities": {"premium": -5, "free": 0}})
     yield cluster
     cluster.stop()
 
@@ -163,6 +164,51 @@ def test_a_requests_priority_orders_its_calls_on_the_target(cluster, tiny_models
 def _generate(cluster: Cluster, prompt: list[int], priority: int):
     with cluster.client() as api:
         return api.generate(prompt_ids=prompt, max_tokens=12, priority=priority)
+
+
+def test_a_tenants_priority_is_its_default_and_the_earliest_it_may_ask_for(cluster, tiny_models):
+    """--tenant-priority premium=-5 free=0: each tenant's requests run at its
+    priority unless they ask for a later one; an earlier one is
+    PERMISSION_DENIED and touches nothing. Other tenants ask as they like."""
+    target = cluster.target
+    seen = []
+    verify = target.verifier.verify
+
+    def recording(call, *args, **kwargs):
+        seen.append(call.priority)
+        return verify(call, *args, **kwargs)
+
+    prompt = [3, 1, 4, 1, 5, 9]
+    expected = reference_greedy(tiny_models["target"], prompt, 4)
+    target.verifier.verify = recording
+    try:
+        for tenant, asked, runs in (("premium", None, -5), ("premium", 2, 2), ("free", None, 0), ("free", 7, 7),
+                                    (None, -9, -9)):
+            seen.clear()
+            with cluster.client(tenant=tenant) as api:
+                assert api.generate(prompt_ids=prompt, max_tokens=4, priority=asked).token_ids == expected
+            assert seen and set(seen) == {runs}, (tenant, asked)
+        for tenant, asked in (("premium", -6), ("free", -1)):
+            with cluster.client(tenant=tenant) as api, pytest.raises(grpc.RpcError) as caught:
+                api.generate(prompt_ids=prompt, max_tokens=4, priority=asked)
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert f"tenant {tenant!r} may ask for priority" in caught.value.details()
+    finally:
+        target.verifier.verify = verify
+
+
+def test_tenant_priorities_are_checked_at_start():
+    from orchestrator.config import OrchestratorConfig
+    from tandem.cli_flags import build_parser
+
+    with pytest.raises(ValueError, match="need the priority scheduling policy"):
+        OrchestratorConfig(draft_address="a:1", target_address="b:2", tenant_priorities={"x": 1})
+    args = build_parser().parse_args(["serve", "orchestrator", "--scheduling-policy", "priority",
+                                      "--tenant-priority", "premium=-1", "--tenant-priority", "*=0"])
+    assert dict(args.tenant_priority) == {"premium": -1, "*": 0}
+    for bad in ("premium", "=3", "x=1.5"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "orchestrator", "--tenant-priority", bad])
 
 
 def test_the_http_api_takes_vllms_priority(cluster, tiny_models):
