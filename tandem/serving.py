@@ -8,9 +8,11 @@ import contextlib
 import gc
 import itertools
 import logging
+import math
 import queue
 import signal
 import threading
+import weakref
 from typing import Callable, Iterable, TypeVar
 
 import grpc
@@ -165,26 +167,14 @@ class ModelWorker:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._arrivals = itertools.count()  # ties in priority go in arrival order
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=f"{name}_0", daemon=True)
+        # The thread holds the queue, not the worker: a worker no longer used is
+        # collected, and its thread then ends (as a ThreadPoolExecutor's does).
+        self._thread = threading.Thread(target=_serve, args=(self._queue,), name=f"{name}_0", daemon=True)
         self._thread.start()
+        weakref.finalize(self, self._queue.put, (math.inf, -1, None))
         self.inline = inline
         self.queue_depth = 0
         self.inline_calls = 0
-
-    def _serve(self) -> None:
-        while True:
-            _, _, job = self._queue.get()
-            if job is None:  # shutdown
-                return
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled before it started
-            try:
-                result = fn(*args)
-            except BaseException as err:  # noqa: BLE001 (the caller gets it)
-                future.set_exception(err)
-            else:
-                future.set_result(result)
 
     def submit(self, fn: Callable[..., T], *args, priority: int = 0) -> concurrent.futures.Future:
         """fn(*args) queued for the worker thread, by priority then arrival;
@@ -239,7 +229,28 @@ class ModelWorker:
                 break
             if job is not None:
                 job[0].cancel()
-        self._queue.put((float("inf"), next(self._arrivals), None))
+        self._queue.put((math.inf, next(self._arrivals), None))
+
+
+def _serve(jobs: queue.PriorityQueue) -> None:
+    """A ModelWorker's thread: runs its jobs until shutdown (a job None). A
+    job's references are dropped once it has run, so that what it held (a
+    service, its caches) is not kept alive by a thread that waits."""
+    while True:
+        _, _, job = jobs.get()
+        if job is None:
+            return
+        future, fn, args = job
+        del job
+        if future.set_running_or_notify_cancel():  # else cancelled before it started
+            try:
+                result = fn(*args)
+            except BaseException as err:  # noqa: BLE001 (the caller gets it)
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+                del result
+        del future, fn, args
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:

@@ -5,7 +5,9 @@ priority reaches the services' queues, and the output is still the target
 alone's. With the default policy (fcfs) a priority other than 0 is refused."""
 import asyncio
 import concurrent.futures
+import gc
 import threading
+import weakref
 
 import grpc
 import openai
@@ -60,6 +62,27 @@ def test_the_worker_runs_the_lowest_priority_first_ties_in_arrival_order():
         worker.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         worker.submit(ran.append, "after shutdown")
+
+
+def test_a_worker_keeps_nothing_alive_after_its_jobs_and_its_thread_ends_with_it():
+    """What a job held (a service, its caches) is dropped once the job has
+    run, and a worker no longer referenced is collected and its thread ends,
+    as a ThreadPoolExecutor's does: a stopped service leaves nothing running."""
+    class Held:
+        pass
+
+    worker = ModelWorker("test-priority-refs")
+    held = Held()
+    seen = weakref.ref(held)
+    assert worker.submit(lambda thing: type(thing).__name__, held).result(30) == "Held"
+    del held
+    gc.collect()
+    assert seen() is None
+    thread = worker._thread
+    del worker
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive()
 
 
 def test_shutdown_cancels_what_has_not_started():
