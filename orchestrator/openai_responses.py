@@ -18,7 +18,7 @@ from orchestrator.openai_params import flag, invalid
 
 # Passed to the chat completion as they are (OpenAI's and vLLM's sampling parameters).
 PASSED = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-          "logit_bias", "stop", "parallel_tool_calls", "stream", "user")
+          "logit_bias", "stop", "parallel_tool_calls", "stream", "user", "priority")
 REFUSED = {
     "prompt": "Tandem keeps no prompt templates; send the prompt as 'input'",
 }

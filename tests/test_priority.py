@@ -247,6 +247,13 @@ def test_the_http_api_takes_vllms_priority(cluster, tiny_models):
         stop()
 
 
+def test_the_responses_api_passes_the_priority_on():
+    from orchestrator.openai_responses import responses_call
+
+    assert responses_call({"input": "hello", "priority": -3}).request.params.priority == -3
+    assert not responses_call({"input": "hello"}).request.params.HasField("priority")
+
+
 def test_first_come_first_served_refuses_a_priority(tiny_models):
     cluster = Cluster(tiny_models["target"], tiny_models["other"])  # the default policy, fcfs
     try:
@@ -256,5 +263,12 @@ def test_first_come_first_served_refuses_a_priority(tiny_models):
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "--scheduling-policy priority" in caught.value.details()
             assert len(api.generate(prompt_ids=[3, 1, 4], max_tokens=2, priority=0).token_ids) == 2
+        base, stop = _gateway(cluster)
+        try:
+            with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority"):
+                client(base).completions.create(model=None, prompt=[3, 1, 4], max_tokens=2,
+                                                extra_body={"priority": 1})
+        finally:
+            stop()
     finally:
         cluster.stop()
