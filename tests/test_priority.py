@@ -5,6 +5,7 @@ priority reaches the services' queues, and the output is still the target
 alone's. With the default policy (fcfs) a priority other than 0 is refused."""
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import threading
 import weakref
@@ -147,24 +148,32 @@ def cluster(tiny_models):
     cluster.stop()
 
 
-def test_a_requests_priority_orders_its_calls_on_the_target(cluster, tiny_models):
-    """Three requests of priority 5 and then one of -1 queue on a target that
-    is busy: the -1 request's call runs first. Each output equals the target
-    alone's."""
-    target = cluster.target
-    seen = []
-    verify = target.verifier.verify
+@contextlib.contextmanager
+def _verified_priorities(target):
+    """The priority of each verify the target service runs, in order, while in the block."""
+    seen, verify = [], target.verifier.verify
 
     def recording(call, *args, **kwargs):
         seen.append(call.priority)
         return verify(call, *args, **kwargs)
 
+    target.verifier.verify = recording
+    try:
+        yield seen
+    finally:
+        target.verifier.verify = verify
+
+
+def test_a_requests_priority_orders_its_calls_on_the_target(cluster, tiny_models):
+    """Three requests of priority 5 and then one of -1 queue on a target that
+    is busy: the -1 request's call runs first. Each output equals the target
+    alone's."""
+    target = cluster.target
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [10, 20, 30, 40, 50], [7, 7, 7, 8, 9], [11, 12, 13, 14, 15, 16]]
     priorities = [5, 5, 5, -1]
     gate = threading.Event()
     held = asyncio.run_coroutine_threadsafe(target.worker.run(gate.wait), cluster.loop)
-    target.verifier.verify = recording
-    try:
+    with _verified_priorities(target) as seen:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             futures = []
             for prompt, priority in zip(prompts, priorities):
@@ -177,8 +186,6 @@ def test_a_requests_priority_orders_its_calls_on_the_target(cluster, tiny_models
             gate.set()
             held.result(30)
             results = [future.result(120) for future in futures]
-    finally:
-        target.verifier.verify = verify
     assert seen[0] == -1 and seen[1:4] == [5, 5, 5]
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 12)
@@ -193,18 +200,9 @@ def test_a_tenants_priority_is_its_default_and_the_earliest_it_may_ask_for(clust
     """--tenant-priority premium=-5 free=0: each tenant's requests run at its
     priority unless they ask for a later one; an earlier one is
     PERMISSION_DENIED and touches nothing. Other tenants ask as they like."""
-    target = cluster.target
-    seen = []
-    verify = target.verifier.verify
-
-    def recording(call, *args, **kwargs):
-        seen.append(call.priority)
-        return verify(call, *args, **kwargs)
-
     prompt = [3, 1, 4, 1, 5, 9]
     expected = reference_greedy(tiny_models["target"], prompt, 4)
-    target.verifier.verify = recording
-    try:
+    with _verified_priorities(cluster.target) as seen:
         for tenant, asked, runs in (("premium", None, -5), ("premium", 2, 2), ("free", None, 0), ("free", 7, 7),
                                     (None, -9, -9)):
             seen.clear()
@@ -216,8 +214,6 @@ def test_a_tenants_priority_is_its_default_and_the_earliest_it_may_ask_for(clust
                 api.generate(prompt_ids=prompt, max_tokens=4, priority=asked)
             assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert f"tenant {tenant!r} may ask for priority" in caught.value.details()
-    finally:
-        target.verifier.verify = verify
 
 
 def test_tenant_priorities_are_checked_at_start():
