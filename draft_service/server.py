@@ -99,6 +99,14 @@ def _load_draft(model: ModelConfig, options: DraftOptions) -> tuple[LoadedModel,
     return info, head
 
 
+def queue_place(call: ProposeCall) -> int:
+    """The call's place in the draft worker's queue, the lowest first: by its
+    request's priority, and within one priority a draft the orchestrator
+    waits for before a pre-draft (first_is_bonus_guess), which is
+    speculative and runs beside its own verify."""
+    return 2 * call.priority + call.first_is_bonus_guess
+
+
 class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
     role = "draft"
 
@@ -151,7 +159,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         self.batcher = None
         if options.batch_drafts > 1:
             self.batcher = CallBatcher(worker, self.drafter.propose_batch, options.batch_drafts,
-                                       lambda item: item[0].session_id, lambda item: item[0].priority)
+                                       lambda item: item[0].session_id, lambda item: queue_place(item[0]))
             log.info("greedy blocks of up to %d sessions that queue are drafted in lockstep", options.batch_drafts)
 
     def _call(self, request) -> ProposeCall:
@@ -200,7 +208,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         rows = self._rows(call)
         return await self.worker.run(self._propose_prepared, call, cancelled, cancelled=cancelled,
                                      span=f"tandem.{self.role}.compute", short=rows is not None and rows <= INLINE_MAX_ROWS,
-                                     priority=call.priority)
+                                     priority=queue_place(call))
 
     async def Prepare(self, requests, context):
         """Propose requests sent by the target on its verdicts (draft_service.prepared)."""
@@ -258,7 +266,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 else:
                     proposal = await self.run_checked(context, self.drafter.propose, call, cancelled,
                                                       cancelled=cancelled, rows=self._rows(call),
-                                                      priority=call.priority)
+                                                      priority=queue_place(call))
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:
                 telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)
