@@ -107,6 +107,21 @@ class _RecordingWorker(ModelWorker):
         return await super().run(fn, *args, priority=priority, **kwargs)
 
 
+def test_the_draft_runs_a_waited_for_draft_before_a_pre_draft_of_its_priority():
+    """A pre-draft (its first token a bonus guess) is speculative and runs
+    beside its session's verify: within one priority it queues behind the
+    drafts that sessions wait for, and ahead of every later priority."""
+    from draft_service.drafters import ProposeCall
+    from draft_service.server import queue_place
+    from tandem.sampling import SamplingParams
+
+    def call(priority: int, pre_draft: bool) -> ProposeCall:
+        return ProposeCall("s", 0, 0, [1], 3, SamplingParams(), False, pre_draft, priority=priority)
+
+    places = [queue_place(call(p, pre)) for p, pre in ((-1, False), (-1, True), (0, False), (0, True), (5, False))]
+    assert places == sorted(places) and len(set(places)) == len(places)
+
+
 def test_a_batcher_fills_its_batches_by_priority():
     """Five sessions queue behind a running batch of two: the next batches
     take the most urgent first (ties in arrival order), and each queues on
