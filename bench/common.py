@@ -354,6 +354,16 @@ def pair_flags(parser) -> None:
                         help="extra draft service flags (default: %(default)s)")
 
 
+def pair_deployment(args, orchestrator_args: list[str]):
+    """A deployment of pair_flags' pair, each model service with --threads,
+    and an orchestrator with these flags (tandem.launch.Deployment)."""
+    from tandem.launch import Deployment, Service
+
+    return Deployment(Service("target", ["--model", args.target], threads=args.threads),
+                      Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads),
+                      orchestrator_args)
+
+
 def parse_args(parser, argv=None):
     """A probe's arguments, with INFO logging on: what every probe's main starts with."""
     args = parser.parse_args(argv)

@@ -22,9 +22,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_flags, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
 from tandem.client import TandemClient
-from tandem.launch import Deployment, Service, free_port
+from tandem.launch import free_port
 
 log = logging.getLogger("bench.http_probe")
 WAYS = ("grpc_stream", "http", "http_stream")
@@ -105,9 +105,7 @@ def main(argv=None) -> int:
     args = parse_args(parser, argv)
     prompts = {name: PROMPTS[name] for name in args.prompts.split(",")}
     http_port = free_port()
-    deployment = Deployment(Service("target", ["--model", args.target], threads=args.threads),
-                            Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads),
-                            ["--http-port", str(http_port), "--prefix-cache", "0"])  # each prefills its prompt
+    deployment = pair_deployment(args, ["--http-port", str(http_port), "--prefix-cache", "0"])  # each prefills its prompt
     with deployment:
         result = run(deployment.address, f"http://127.0.0.1:{http_port}", prompts, args.new_tokens, args.reps)
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, new_tokens=args.new_tokens,

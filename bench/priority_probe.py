@@ -24,9 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_flags, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
 from tandem.client import TandemClient
-from tandem.launch import Deployment, Service
 from tandem.redis_local import ensure_redis
 
 log = logging.getLogger("bench.priority_probe")
@@ -139,9 +138,8 @@ def main(argv=None) -> int:
     args = parse_args(parser, argv)
     if args.background < 1 or args.reps < 1:
         parser.error("--background and --reps must be >= 1")
-    deployment = Deployment(Service("target", ["--model", args.target], threads=args.threads),
-                            Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads),
-                            ["--redis-url", ensure_redis(), "--prefix-cache", "0", "--scheduling-policy", "priority"])
+    deployment = pair_deployment(args, ["--redis-url", ensure_redis(), "--prefix-cache", "0",
+                                        "--scheduling-policy", "priority"])
     with deployment:
         result = run(deployment.address, PROMPTS[args.prompt], args.background, args.new_tokens,
                      args.foreground_tokens, args.reps, args.settle)

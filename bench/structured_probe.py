@@ -25,11 +25,10 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, cut, machine, pair_flags, parse_args, write
+from bench.common import RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
 import torch
 
 from tandem.client import TandemClient
-from tandem.launch import Deployment, Service
 
 log = logging.getLogger("bench.structured_probe")
 
@@ -216,9 +215,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     costs = mask_costs(args.target)
     log.info("masks: %s", costs)
-    deployment = Deployment(Service("target", ["--model", args.target], threads=args.threads),
-                            Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads),
-                            ["--prefix-cache", "0"])
+    deployment = pair_deployment(args, ["--prefix-cache", "0"])
     from tandem.default_models import resolve_model
     from tandem.tokenizer import load_tokenizer
 
