@@ -108,7 +108,7 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     """vLLM's "prompt_logprobs": 0..20, not with "stream" (as vLLM: a
     streamed answer has no place for them; 0 streamed is taken and has none)."""
     value = body.get("prompt_logprobs")
-    if value == -1 and not isinstance(value, bool):
+    if value == -1:
         raise invalid("prompt_logprobs", f"'prompt_logprobs': -1 (the whole vocabulary) is not served: at most "
                                          f"{MAX_TOP_LOGPROBS} likeliest tokens a position")
     top = number(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)

@@ -303,7 +303,10 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         finally:
             if not request.keep_session and not ended:
                 # Shielded: a client that cancels mid-way does not leave the session behind.
-                await asyncio.shield(self._end_stateless(record, finished, prompt if shared else None))
+                # Where parking was tried at the final event (and failed), it is deleted.
+                tried = final is not None and self.prefix_cache is not None
+                await asyncio.shield(self._end_stateless(record, finished and not tried,
+                                                         prompt if shared and not tried else None))
 
     @store_unavailable
     async def CreateSession(self, request, context):
