@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import gc
 import itertools
 import logging
@@ -174,6 +173,7 @@ class ModelWorker:
         weakref.finalize(self, self._queue.put, (math.inf, -1, None))
         self.inline = inline
         self.queue_depth = 0
+        self._depth_lock = threading.Lock()  # the loop adds a call, the thread that ends it takes it off
         self.inline_calls = 0
 
     def submit(self, fn: Callable[..., T], *args, priority: int = 0) -> concurrent.futures.Future:
@@ -202,13 +202,14 @@ class ModelWorker:
             # once a call has returned), and nothing else runs on the loop meanwhile.
             self.inline_calls += 1
             return fn(*args)
-        loop = asyncio.get_running_loop()
         job = self.submit(fn, *args, priority=priority)
         # A call counts in queue_depth until its function has run, or was
         # cancelled before it started: a cancelled call that is running still
-        # holds the worker.
-        self.queue_depth += 1
-        job.add_done_callback(lambda _: _call_soon(loop, self._left))
+        # holds the worker. It is taken off where the call ends (the worker's
+        # thread), not on the loop: a loop stopped by then would leave it counted.
+        with self._depth_lock:
+            self.queue_depth += 1
+        job.add_done_callback(self._left)
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
@@ -216,8 +217,9 @@ class ModelWorker:
                 cancelled.set()
             raise
 
-    def _left(self) -> None:
-        self.queue_depth -= 1
+    def _left(self, _job=None) -> None:
+        with self._depth_lock:
+            self.queue_depth -= 1
 
     def shutdown(self) -> None:
         """Cancels the calls that have not started; the thread ends after the running one."""
@@ -251,11 +253,6 @@ def _serve(jobs: queue.PriorityQueue) -> None:
                 future.set_result(result)
                 del result
         del future, fn, args
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
-        loop.call_soon_threadsafe(fn)
 
 
 async def abort_cache_miss(context: grpc.aio.ServicerContext, miss: Exception):

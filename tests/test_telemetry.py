@@ -262,3 +262,31 @@ def test_queue_depth_counts_a_cancelled_call_until_the_worker_is_free():
         worker.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_queue_depth_drops_when_a_call_ends_after_its_event_loop_has_closed():
+    """A cluster stopped while a call ran (a pre-draft left on the worker) must
+    not count that call for the rest of the process: the gauge sums every live
+    service, so one stuck at 1 would skew every later reading."""
+    import asyncio
+    import threading
+    import time
+
+    from tandem.serving import ModelWorker
+
+    worker = ModelWorker("depth")
+    release = threading.Event()
+
+    async def scenario():
+        asyncio.get_running_loop().create_task(worker.run(release.wait, 5))
+        await asyncio.sleep(0.05)
+        assert worker.queue_depth == 1
+
+    asyncio.run(scenario())  # cancels the waiting task and closes the loop; the call still runs
+    assert worker.queue_depth == 1
+    release.set()
+    deadline = time.monotonic() + 5
+    while worker.queue_depth and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.queue_depth == 0
+    worker.shutdown()
