@@ -14,6 +14,14 @@ The replicas are a list of addresses, or a DNS name (dns:///NAME:PORT) whose
 every address is a replica, looked up again every REFRESH_S (a Kubernetes
 headless Service lists its ready pods so).
 
+New sessions go to the least busy replicas (placed_id). A replica's load is
+what the replica itself reports every LOAD_S (ServiceStats.active_sessions:
+the sessions that called it lately, from every orchestrator), plus the
+sessions this orchestrator placed there since; where that report is missing or
+stale, this orchestrator's own sessions there. So orchestrator replicas behind
+one Service spread their sessions over the model replicas together, not each
+on its own.
+
 A replica that does not answer (UNAVAILABLE, or past the call's deadline) is
 set aside for DOWN_S. The call fails as a cache miss while another replica is
 there: the decoder then re-syncs the session, sending its whole committed
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import socket
 import time
 import uuid
@@ -48,6 +57,7 @@ SEPARATOR = "~"  # in a copy's cache id, before the route key it shares with its
 DOWN_S = 5.0  # how long a replica that did not answer takes no calls
 PLACED_S = 5.0  # a new session counts on its replica this long before its first call
 REFRESH_S = 10.0  # how often a DNS name's addresses are looked up again
+LOAD_S = 1.0  # how often each replica's load is asked for; a report older than 3 x LOAD_S is not used
 
 
 def route_key(cache_id: str) -> str:
@@ -84,6 +94,8 @@ class Replica:
     refused: str = ""  # why it takes no calls: it serves another model
     running: dict = field(default_factory=dict)  # route key -> its calls in flight here
     placed: dict = field(default_factory=dict)  # route key -> when a new session was placed here, until its first call
+    reported: int = 0  # the replica's own count of its active sessions (every orchestrator's) ...
+    reported_at: float = -math.inf  # ... as of this time (when it was asked)
 
     @property
     def address(self) -> str:
@@ -108,6 +120,7 @@ class Replicas:
         self.reference: common_pb2.ModelInfo | None = None  # the model every replica must serve
         self.moves = 0  # calls that failed over to another replica
         self._refresher: asyncio.Task | None = None
+        self._loads: asyncio.Task | None = None  # polls the replicas' loads (LOAD_S)
         self._leaving: dict[asyncio.Task, object] = {}  # clients of replicas that left, closed later
 
     @property
@@ -149,6 +162,27 @@ class Replicas:
             await asyncio.sleep(REFRESH_S)
             await self.refresh()
 
+    # --- load --------------------------------------------------------------------
+    async def poll_loads(self) -> None:
+        """Asks every replica for its active sessions (a load-only GetStats,
+        answered at once); one that does not answer within LOAD_S keeps its
+        last report, which goes stale."""
+        async def poll(replica: Replica) -> None:
+            asked = self.clock()
+            try:
+                stats = await replica.client.stats(load_only=True, timeout_s=LOAD_S)
+            except Exception as err:  # noqa: BLE001 (a missed poll costs only freshness)
+                log.debug("%s replica %s: no load report (%s)", self.role, replica.address, err)
+                return
+            replica.reported, replica.reported_at = stats.active_sessions, asked
+
+        await asyncio.gather(*(poll(replica) for replica in list(self.replicas)))
+
+    async def _poll_loads_forever(self) -> None:
+        while True:
+            await self.poll_loads()
+            await asyncio.sleep(LOAD_S)
+
     # --- placement ---------------------------------------------------------------
     def order(self, cache_id: str) -> list[Replica]:
         """The replicas in the session's order of preference (rendezvous hashing)."""
@@ -171,13 +205,21 @@ class Replicas:
         return next((replica for replica in order if not replica.refused), order[0])
 
     def active(self, replica: Replica) -> int:
-        """Sessions with a call in flight on the replica (this orchestrator's):
-        a running request has one there nearly all the time; and sessions
-        placed there in the last PLACED_S seconds that have not called yet."""
-        since = self.clock() - PLACED_S
+        """The replica's load in sessions. This orchestrator's own: sessions
+        with a call in flight there (a running request has one there nearly all
+        the time), and sessions placed there in the last PLACED_S seconds that
+        have not called yet. Where the replica's own report is fresh (3 x
+        LOAD_S), at least that report (every orchestrator's sessions) plus the
+        sessions placed there since it was asked."""
+        now = self.clock()
+        since = now - PLACED_S
         for key in [key for key, at in replica.placed.items() if at < since]:
             del replica.placed[key]
-        return len(replica.running) + len(replica.placed.keys() - replica.running.keys())
+        own = len(replica.running) + len(replica.placed.keys() - replica.running.keys())
+        if now - replica.reported_at > 3 * LOAD_S:
+            return own
+        placed_since = sum(at >= replica.reported_at for at in replica.placed.values())
+        return max(own, replica.reported + placed_since)
 
     def least_busy(self) -> list[Replica]:
         """The usable replicas with the fewest active sessions."""
@@ -272,6 +314,8 @@ class Replicas:
             await self.refresh()
             if self._refresher is None:
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+        if self._loads is None:
+            self._loads = asyncio.get_running_loop().create_task(self._poll_loads_forever())
         replicas = list(self.replicas)
         if not replicas:
             raise ServiceUnavailable(f"no {self.role} replica: {self.address} resolves to no address")
@@ -301,8 +345,9 @@ class Replicas:
         return await asyncio.gather(*(replica.client.stats() for replica in self.replicas))
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in (self._refresher, self._loads):
+            if task is not None:
+                task.cancel()
         leaving = list(self._leaving.items())
         for task, _ in leaving:
             task.cancel()

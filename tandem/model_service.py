@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -33,6 +34,9 @@ class CacheConfig:
 # tokens, or the draft steps) is short: a few decode steps' time, which the
 # event loop may wait for (ModelWorker.inline). Prefills are not.
 INLINE_MAX_ROWS = 16
+# A session counts as active on a service (ServiceStats.active_sessions) this
+# long after its last call: a decoding session calls every round.
+ACTIVE_S = 3.0
 
 
 def inline_compute(mode: str, device: str, torch_compute: bool = True) -> bool:
@@ -74,6 +78,7 @@ class ModelServiceBase:
                  "on the event loop when the model thread is idle" if worker.inline else "on the model thread")
         self.prefill_tokens = 0
         self.calls = 0
+        self._last_call: dict[str, float] = {}  # session id -> when its last call came (active_sessions)
         self.draining = asyncio.Event()  # set on SIGTERM: streams end once their calls are answered
         self._sweeper: asyncio.Task | None = None  # drops idle sessions while no call comes
         telemetry.watch_service(self)
@@ -116,6 +121,8 @@ class ModelServiceBase:
     async def checked_call(self, context, request):
         """self._call(request), or the rpc ends with INVALID_ARGUMENT (or
         FAILED_PRECONDITION: a grammar, and no tokenizer to compile it against)."""
+        if request.session_id:
+            self._last_call[request.session_id] = time.monotonic()
         grammar = request.sampling.grammar
         if grammar and not self.grammars.compiled(grammar):
             try:  # off the event loop: the first grammar builds the tokenizer's tables (seconds)
@@ -181,6 +188,7 @@ class ModelServiceBase:
         return self.model_info()
 
     async def ReleaseSession(self, request, context):
+        self._last_call.pop(request.session_id, None)
         released = await self.worker.run(self.store.release, request.session_id)
         return common_pb2.ReleaseSessionReply(released=released)
 
@@ -208,12 +216,25 @@ class ModelServiceBase:
             prefill_tokens=self.prefill_tokens,
             calls=self.calls,
             queue_depth=self.worker.queue_depth,
+            active_sessions=self.active_sessions(),
             forks=counters.forks,
             verify_batches=0,
             batched_verifies=0,
             draft_batches=0,
             batched_drafts=0,
         )
+
+    def active_sessions(self) -> int:
+        """Sessions whose last Propose or Verify came in the last ACTIVE_S
+        seconds, from any orchestrator. (A call that runs longer, a long
+        prefill, stops counting until the session's next one.)"""
+        since = time.monotonic() - ACTIVE_S
+        # list(): a plain dict copied in one C call, safe while the event loop
+        # adds to it (the metrics read this from their own thread)
+        for session_id, at in list(self._last_call.items()):
+            if at < since:
+                self._last_call.pop(session_id, None)
+        return len(self._last_call)
 
     def _store_counts(self) -> dict[str, int]:
         return dict(sessions=len(self.store), cache_bytes=self.store.total_bytes(),
@@ -223,5 +244,7 @@ class ModelServiceBase:
         # The store's numbers in one snapshot on the model thread, after the calls
         # queued before this one: read apart, an idle sweep running between them
         # could report no session beside the bytes of the one it dropped.
+        if request.load_only:
+            return common_pb2.ServiceStats(**self.counts())
         store = await self.worker.run(self._store_counts)
         return common_pb2.ServiceStats(**{**self.counts(), **store})

@@ -11,7 +11,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import OrchestratorConfig
-from orchestrator.replicas import Replicas, copy_id, placed_id, route_key
+from orchestrator.replicas import LOAD_S, Replicas, copy_id, placed_id, route_key
 from tandem import telemetry
 from tandem.v1 import common_pb2
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
@@ -196,6 +196,49 @@ def test_new_sessions_are_placed_on_the_least_busy_replicas_of_both_services():
     assert placed_id([]) == ""
 
 
+class _Loaded(_Client):
+    """A replica's client that reports a load (ServiceStats.active_sessions); None: does not answer."""
+
+    def __init__(self, address, load):
+        super().__init__(address)
+        self.load = load
+
+    async def stats(self, load_only=False, timeout_s=None):
+        assert load_only and timeout_s == LOAD_S  # a poll must not wait behind the model's calls
+        if self.load is None:
+            raise ServiceUnavailable("UNAVAILABLE: connection refused")
+        return common_pb2.ServiceStats(active_sessions=self.load)
+
+
+def test_placement_counts_the_load_each_replica_reports_from_every_orchestrator():
+    clock = _Clock()
+    loads = {ADDRESSES[0]: 4, ADDRESSES[1]: 1}
+    targets = Replicas(lambda address: _Loaded(address, loads[address]), "target", ADDRESSES[:2], clock=clock)
+    a, b = targets.replicas
+    assert [targets.active(r) for r in targets.replicas] == [0, 0]  # no report yet: this orchestrator's own
+
+    asyncio.run(targets.poll_loads())
+    assert [targets.active(r) for r in targets.replicas] == [4, 1]
+    # New sessions go to b until it holds as many as a reports (those placed after the report count on top).
+    keys = [placed_id([targets]) for _ in range(3)]
+    assert [targets.replica_for(key) for key in keys] == [b, b, b]
+    assert [targets.active(r) for r in targets.replicas] == [4, 4]
+    # This orchestrator's own sessions count where they outnumber the report.
+    for key in KEYS[:6]:
+        a.running[key] = 1
+    assert targets.active(a) == 6
+
+    # A replica that stops answering keeps its last report until it is stale; then only the own count.
+    a.client.load = None
+    clock.now += 2 * LOAD_S
+    asyncio.run(targets.poll_loads())
+    b.placed.clear()
+    assert [targets.active(r) for r in targets.replicas] == [6, 1]
+    clock.now += 1.5 * LOAD_S  # a's report is now older than 3 x LOAD_S
+    a.running.clear()
+    assert [targets.active(r) for r in targets.replicas] == [0, 1]
+
+
 @pytest.mark.parametrize("fields, words", [
     (dict(target_address="a:1,,b:2"), "an empty address"),
     (dict(draft_address="a:1,a:1"), "an address given twice"),
@@ -331,6 +374,70 @@ def test_each_replica_reports_its_own_stats(replica_cluster):
 
     found = replica_cluster.run(stats())
     assert len(found) == 2 and all(isinstance(s, common_pb2.ServiceStats) for s in found)
+
+
+def test_a_second_orchestrator_sees_the_sessions_the_first_placed_and_places_beside_them(replica_cluster):
+    """Two orchestrators over the same replicas: the cluster's, and a second
+    one's target client (orchestrator.replicas.Replicas, its own class), which
+    has placed nothing. It reads each replica's own count of its active
+    sessions and places a new session on the less busy replica."""
+    import time
+
+    from orchestrator.backends import GrpcVerifier
+    from tandem.model_service import ACTIVE_S
+
+    time.sleep(ACTIVE_S)  # earlier tests' sessions stop counting
+    sessions = []
+    with replica_cluster.client() as client:
+        for i in range(3):
+            sessions.append(client.create_session())
+            client.chat(sessions[-1], message_ids=[11 + i, 22, 33, 44], max_tokens=4)
+    held = [0, 0]
+    for session in sessions:
+        (replica,) = _holders(replica_cluster.targets, session)
+        held[replica] += 1
+
+    async def second_orchestrator():
+        other = Replicas(GrpcVerifier, "target", replica_cluster.target_address.split(","))
+        try:
+            before = [other.active(r) for r in other.replicas]
+            await other.poll_loads()
+            return before, [other.active(r) for r in other.replicas], other.replica_for(placed_id([other]))
+        finally:
+            await other.close()
+
+    before, after, placed = replica_cluster.run(second_orchestrator())
+    assert before == [0, 0] and after == held
+    assert placed.address == replica_cluster.target_address.split(",")[held.index(min(held))]  # 3 sessions: unequal
+    with replica_cluster.client() as client:
+        for session in sessions:
+            client.delete_session(session)
+
+
+def test_a_load_only_stats_call_is_answered_while_the_model_thread_is_busy(replica_cluster):
+    import threading
+
+    from tandem.v1 import target_pb2_grpc
+
+    target = replica_cluster.targets[0]
+    address = replica_cluster.target_address.split(",")[0]
+    release = threading.Event()
+    held = target.worker.submit(release.wait, 30)
+
+    async def ask():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            quick = await stub.GetStats(common_pb2.GetStatsRequest(load_only=True), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as waited:  # the full one waits for the model thread
+                await stub.GetStats(common_pb2.GetStatsRequest(), timeout=0.5)
+            return quick, waited.value.code()
+
+    try:
+        quick, code = replica_cluster.run(ask())
+    finally:
+        release.set()
+        held.result(5)
+    assert isinstance(quick, common_pb2.ServiceStats) and code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_a_dns_name_of_replicas_is_looked_up_and_served(replica_cluster, tiny_models):
