@@ -84,6 +84,10 @@ class OrchestratorConfig:
     # /v1/responses with "store": true) is kept, seconds.
     response_ttl_s: int = 7 * 24 * 3600
     service_timeout_s: float = 120.0
+    # How often each model replica is asked for its load (ServiceStats.active_sessions),
+    # which places new sessions (orchestrator.replicas), seconds; 0: never, each
+    # orchestrator then counts only its own sessions. Only with replicas.
+    replica_load_s: float = 1.0
     service_transport: str = "stream"  # model calls on one stream per service, or "unary" rpcs
     draft_fallback: bool = True  # while the draft service is down, decode on the target alone
     max_concurrent_requests: int = 128  # Generate and Chat streams at once; more get RESOURCE_EXHAUSTED; 0 = no limit
@@ -145,6 +149,8 @@ class OrchestratorConfig:
             raise ValueError(f"max_concurrent_requests must be >= 0 (0: no limit), got {self.max_concurrent_requests}")
         if not self.service_timeout_s > 0:
             raise ValueError(f"service_timeout_s must be > 0, got {self.service_timeout_s}")
+        if not self.replica_load_s >= 0:
+            raise ValueError(f"--replica-load-interval must be >= 0 seconds, got {self.replica_load_s}")
         if (self.service_tls_cert or self.service_tls_key or self.service_tls_server_name) and not self.service_tls_ca:
             raise ValueError("--service-tls-cert, --service-tls-key and --service-tls-server-name need "
                              "--service-tls-ca: the CA the services' certificates are checked against")

@@ -112,8 +112,9 @@ class Replicas:
 
     def __init__(self, make: Callable[[str], object], role: str, addresses: list[str] = (),
                  dns: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
-                 close_after_s: float = 120.0):
+                 close_after_s: float = 120.0, load_s: float = LOAD_S):
         self.make, self.role, self.dns, self.clock = make, role, dns, clock
+        self.load_s = load_s  # how often the replicas' loads are asked for; 0: never (only the own count)
         self.close_after_s = close_after_s  # a replica that left is closed once its calls are done
         self.replicas = [Replica(make(address)) for address in addresses]
         self.address = f"{DNS_PREFIX}{dns[0]}:{dns[1]}" if dns else ",".join(addresses)
@@ -165,12 +166,12 @@ class Replicas:
     # --- load --------------------------------------------------------------------
     async def poll_loads(self) -> None:
         """Asks every replica for its active sessions (a load-only GetStats,
-        answered at once); one that does not answer within LOAD_S keeps its
+        answered at once); one that does not answer within load_s keeps its
         last report, which goes stale."""
         async def poll(replica: Replica) -> None:
             asked = self.clock()
             try:
-                stats = await replica.client.stats(load_only=True, timeout_s=LOAD_S)
+                stats = await replica.client.stats(load_only=True, timeout_s=self.load_s or LOAD_S)
             except Exception as err:  # noqa: BLE001 (a missed poll costs only freshness)
                 log.debug("%s replica %s: no load report (%s)", self.role, replica.address, err)
                 return
@@ -181,7 +182,7 @@ class Replicas:
     async def _poll_loads_forever(self) -> None:
         while True:
             await self.poll_loads()
-            await asyncio.sleep(LOAD_S)
+            await asyncio.sleep(self.load_s)
 
     # --- placement ---------------------------------------------------------------
     def order(self, cache_id: str) -> list[Replica]:
@@ -209,14 +210,14 @@ class Replicas:
         with a call in flight there (a running request has one there nearly all
         the time), and sessions placed there in the last PLACED_S seconds that
         have not called yet. Where the replica's own report is fresh (3 x
-        LOAD_S), at least that report (every orchestrator's sessions) plus the
+        load_s), at least that report (every orchestrator's sessions) plus the
         sessions placed there since it was asked."""
         now = self.clock()
         since = now - PLACED_S
         for key in [key for key, at in replica.placed.items() if at < since]:
             del replica.placed[key]
         own = len(replica.running) + len(replica.placed.keys() - replica.running.keys())
-        if now - replica.reported_at > 3 * LOAD_S:
+        if now - replica.reported_at > 3 * (self.load_s or LOAD_S):
             return own
         placed_since = sum(at >= replica.reported_at for at in replica.placed.values())
         return max(own, replica.reported + placed_since)
@@ -314,7 +315,7 @@ class Replicas:
             await self.refresh()
             if self._refresher is None:
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
-        if self._loads is None:
+        if self._loads is None and self.load_s > 0:
             self._loads = asyncio.get_running_loop().create_task(self._poll_loads_forever())
         replicas = list(self.replicas)
         if not replicas:
@@ -378,10 +379,11 @@ def placed_id(services: list[Replicas], tries: int = 512) -> str:
     return fallback
 
 
-def service_client(value: str, make: Callable[[str], object], role: str):
+def service_client(value: str, make: Callable[[str], object], role: str, load_s: float = LOAD_S):
     """The client of a service given as one address (its own client), several
-    comma-separated, or a DNS name (dns:///NAME:PORT): Replicas."""
+    comma-separated, or a DNS name (dns:///NAME:PORT): Replicas, which ask
+    for their loads every load_s (0: never)."""
     if value.startswith(DNS_PREFIX):
-        return Replicas(make, role, dns=dns_target(value))
+        return Replicas(make, role, dns=dns_target(value), load_s=load_s)
     addresses = split_addresses(value)
-    return make(addresses[0]) if len(addresses) == 1 else Replicas(make, role, addresses)
+    return make(addresses[0]) if len(addresses) == 1 else Replicas(make, role, addresses, load_s=load_s)

@@ -46,10 +46,11 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                    config.service_tls_server_name)
         # Each service's replicas (orchestrator.replicas): a session's calls go to one of them.
         self.proposer = service_client(config.draft_address, lambda address: GrpcProposer(
-            address, config.service_timeout_s, config.service_transport, tls), "draft")
+            address, config.service_timeout_s, config.service_transport, tls), "draft", config.replica_load_s)
         self.verifier = service_client(config.target_address, lambda address: GrpcVerifier(
             address, config.service_timeout_s, config.service_transport,
-            relay_to=(config.relay_address or config.draft_address) if config.relay else "", tls=tls), "target")
+            relay_to=(config.relay_address or config.draft_address) if config.relay else "", tls=tls), "target",
+            config.replica_load_s)
         self.store = SessionStore(config.redis_url, config.session_ttl_s,
                                   count_usage=config.quotas.tokens_per_minute > 0)
         self.responses = ResponseStore(self.store.redis, config.response_ttl_s)  # StoredRpcs'

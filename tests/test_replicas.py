@@ -246,6 +246,8 @@ def test_placement_counts_the_load_each_replica_reports_from_every_orchestrator(
     (dict(target_address="dns:///tandem-target:50052", relay=True), "--relay on"),
     (dict(target_address="dns:///tandem-target"), "dns:///NAME:PORT"),
     (dict(draft_address="dns:///a:1,b:2"), "dns:///NAME:PORT"),
+    (dict(target_address="a:1,b:2", replica_load_s=-1.0), "--replica-load-interval"),
+    (dict(target_address="a:1,b:2", replica_load_s=float("nan")), "--replica-load-interval"),
 ])
 def test_bad_replica_lists_are_refused(fields, words):
     with pytest.raises(ValueError, match=words):
@@ -374,6 +376,27 @@ def test_each_replica_reports_its_own_stats(replica_cluster):
 
     found = replica_cluster.run(stats())
     assert len(found) == 2 and all(isinstance(s, common_pb2.ServiceStats) for s in found)
+
+
+async def _info():
+    return common_pb2.ModelInfo(model_id="m", vocab_size=10, max_context=64)
+
+
+@pytest.mark.parametrize("load_s", [LOAD_S, 0])
+def test_pairing_starts_the_load_poll_unless_its_interval_is_0(load_s):
+    loads = {ADDRESSES[0]: 4, ADDRESSES[1]: 1}
+    targets = Replicas(lambda address: _Loaded(address, loads[address]), "target", ADDRESSES[:2], load_s=load_s)
+    for replica in targets.replicas:
+        replica.client.model_info = _info
+
+    async def scenario():
+        await targets.model_info()
+        await asyncio.sleep(0.05)
+        reports = [targets.active(r) for r in targets.replicas]
+        await targets.close()
+        return reports
+
+    assert asyncio.run(scenario()) == ([4, 1] if load_s else [0, 0])
 
 
 def test_a_second_orchestrator_sees_the_sessions_the_first_placed_and_places_beside_them(replica_cluster):
