@@ -182,11 +182,8 @@ class _GrpcClient:
         except grpc.aio.AioRpcError as err:
             raise _translate(err) from None
 
-    async def stats(self, load_only: bool = False, timeout_s: float | None = None) -> common_pb2.ServiceStats:
-        """The service's GetStats; `load_only`: answered at once, without the
-        cache's snapshot on the model thread (a load poll)."""
-        return await self.stub.GetStats(common_pb2.GetStatsRequest(load_only=load_only),
-                                        timeout=timeout_s or self.timeout_s)
+    async def stats(self) -> common_pb2.ServiceStats:
+        return await self.stub.GetStats(common_pb2.GetStatsRequest(), timeout=self.timeout_s)
 
     async def close(self) -> None:
         if self.calls is not None:

@@ -84,9 +84,10 @@ class OrchestratorConfig:
     # /v1/responses with "store": true) is kept, seconds.
     response_ttl_s: int = 7 * 24 * 3600
     service_timeout_s: float = 120.0
-    # How often each model replica is asked for its load (ServiceStats.active_sessions),
-    # which places new sessions (orchestrator.replicas), seconds; 0: never, each
-    # orchestrator then counts only its own sessions. Only with replicas.
+    # How often this orchestrator shares its sessions on each model replica with
+    # the other orchestrators through Redis, and reads theirs (orchestrator.load_board),
+    # by which new sessions are placed, seconds; 0: never, each orchestrator then
+    # counts only its own sessions. Only with replicas.
     replica_load_s: float = 1.0
     service_transport: str = "stream"  # model calls on one stream per service, or "unary" rpcs
     draft_fallback: bool = True  # while the draft service is down, decode on the target alone

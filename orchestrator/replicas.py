@@ -15,12 +15,10 @@ every address is a replica, looked up again every REFRESH_S (a Kubernetes
 headless Service lists its ready pods so).
 
 New sessions go to the least busy replicas (placed_id). A replica's load is
-what the replica itself reports every LOAD_S (ServiceStats.active_sessions:
-the sessions that called it lately, from every orchestrator), plus the
-sessions this orchestrator placed there since; where that report is missing or
-stale, this orchestrator's own sessions there. So orchestrator replicas behind
-one Service spread their sessions over the model replicas together, not each
-on its own.
+this orchestrator's sessions there, counted as they start and end, plus every
+other orchestrator's, which they share through Redis every LOAD_S
+(orchestrator.load_board). So orchestrator replicas behind one Service spread
+their sessions over the model replicas together, not each on its own.
 
 A replica that does not answer (UNAVAILABLE, or past the call's deadline) is
 set aside for DOWN_S. The call fails as a cache miss while another replica is
@@ -94,8 +92,8 @@ class Replica:
     refused: str = ""  # why it takes no calls: it serves another model
     running: dict = field(default_factory=dict)  # route key -> its calls in flight here
     placed: dict = field(default_factory=dict)  # route key -> when a new session was placed here, until its first call
-    reported: int = 0  # the replica's own count of its active sessions (every orchestrator's) ...
-    reported_at: float = -math.inf  # ... as of this time (when it was asked)
+    others: int = 0  # the other orchestrators' sessions here (orchestrator.load_board) ...
+    others_at: float = -math.inf  # ... as read at this time
 
     @property
     def address(self) -> str:
@@ -114,7 +112,8 @@ class Replicas:
                  dns: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
                  close_after_s: float = 120.0, load_s: float = LOAD_S):
         self.make, self.role, self.dns, self.clock = make, role, dns, clock
-        self.load_s = load_s  # how often the replicas' loads are asked for; 0: never (only the own count)
+        self.load_s = load_s  # how often the loads are shared (with a board); 0: never (only the own count)
+        self.board = None  # orchestrator.load_board.LoadBoard: the other orchestrators' sessions
         self.close_after_s = close_after_s  # a replica that left is closed once its calls are done
         self.replicas = [Replica(make(address)) for address in addresses]
         self.address = f"{DNS_PREFIX}{dns[0]}:{dns[1]}" if dns else ",".join(addresses)
@@ -164,20 +163,24 @@ class Replicas:
             await self.refresh()
 
     # --- load --------------------------------------------------------------------
-    async def poll_loads(self) -> None:
-        """Asks every replica for its active sessions (a load-only GetStats,
-        answered at once); one that does not answer within load_s keeps its
-        last report, which goes stale."""
-        async def poll(replica: Replica) -> None:
-            asked = self.clock()
-            try:
-                stats = await replica.client.stats(load_only=True, timeout_s=self.load_s or LOAD_S)
-            except Exception as err:  # noqa: BLE001 (a missed poll costs only freshness)
-                log.debug("%s replica %s: no load report (%s)", self.role, replica.address, err)
-                return
-            replica.reported, replica.reported_at = stats.active_sessions, asked
+    def share_loads(self, board) -> None:
+        """Shares this orchestrator's loads with the others' on `board` (a
+        LoadBoard), every load_s from pairing (model_info) on."""
+        self.board = board
 
-        await asyncio.gather(*(poll(replica) for replica in list(self.replicas)))
+    async def poll_loads(self) -> None:
+        """Writes this orchestrator's sessions per replica to the board and
+        reads the others'. Where Redis does not answer, the last reading
+        stands until it is stale (3 x load_s), then only the own count."""
+        own = {replica.address: self.own(replica) for replica in self.replicas}
+        try:
+            others = await self.board.share(own)
+        except Exception as err:  # noqa: BLE001 (a missed poll costs only freshness)
+            log.debug("%s replicas: the load board did not answer (%s)", self.role, err)
+            return
+        read = self.clock()
+        for replica in self.replicas:
+            replica.others, replica.others_at = others.get(replica.address, 0), read
 
     async def _poll_loads_forever(self) -> None:
         while True:
@@ -205,22 +208,22 @@ class Replicas:
                 return replica
         return next((replica for replica in order if not replica.refused), order[0])
 
-    def active(self, replica: Replica) -> int:
-        """The replica's load in sessions. This orchestrator's own: sessions
-        with a call in flight there (a running request has one there nearly all
-        the time), and sessions placed there in the last PLACED_S seconds that
-        have not called yet. Where the replica's own report is fresh (3 x
-        load_s), at least that report (every orchestrator's sessions) plus the
-        sessions placed there since it was asked."""
-        now = self.clock()
-        since = now - PLACED_S
+    def own(self, replica: Replica) -> int:
+        """This orchestrator's sessions on the replica: those with a call in
+        flight there (a running request has one there nearly all the time),
+        and those placed there in the last PLACED_S seconds that have not
+        called yet."""
+        since = self.clock() - PLACED_S
         for key in [key for key, at in replica.placed.items() if at < since]:
             del replica.placed[key]
-        own = len(replica.running) + len(replica.placed.keys() - replica.running.keys())
-        if now - replica.reported_at > 3 * (self.load_s or LOAD_S):
-            return own
-        placed_since = sum(at >= replica.reported_at for at in replica.placed.values())
-        return max(own, replica.reported + placed_since)
+        return len(replica.running) + len(replica.placed.keys() - replica.running.keys())
+
+    def active(self, replica: Replica) -> int:
+        """The replica's load in sessions: this orchestrator's, and the other
+        orchestrators' as last read from the board, while that is fresh
+        (3 x load_s)."""
+        fresh = self.clock() - replica.others_at <= 3 * (self.load_s or LOAD_S)
+        return self.own(replica) + (replica.others if fresh else 0)
 
     def least_busy(self) -> list[Replica]:
         """The usable replicas with the fewest active sessions."""
@@ -315,7 +318,7 @@ class Replicas:
             await self.refresh()
             if self._refresher is None:
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
-        if self._loads is None and self.load_s > 0:
+        if self._loads is None and self.load_s > 0 and self.board is not None:
             self._loads = asyncio.get_running_loop().create_task(self._poll_loads_forever())
         replicas = list(self.replicas)
         if not replicas:
@@ -353,6 +356,11 @@ class Replicas:
         for task, _ in leaving:
             task.cancel()
         await asyncio.gather(*(client.close() for client in [*self.clients, *(client for _, client in leaving)]))
+        if self._loads is not None:  # the others stop counting this orchestrator's sessions at once
+            try:
+                await asyncio.wait_for(self.board.leave(), 1.0)
+            except Exception as err:  # noqa: BLE001 (its entry goes stale in 3 x load_s anyway)
+                log.debug("%s replicas: could not leave the load board (%s)", self.role, err)
 
 
 def placed_id(services: list[Replicas], tries: int = 512) -> str:

@@ -16,7 +16,8 @@ from orchestrator.generation import EngineConfig, Generation, RequestParams, Tur
 from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
-from orchestrator.replicas import Replicas, placed_id, service_client
+from orchestrator.load_board import LoadBoard
+from orchestrator.replicas import LOAD_S, Replicas, placed_id, service_client
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.stored_responses import ItemStore, ResponseStore, StoredRpcs
@@ -54,6 +55,9 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         self.store = SessionStore(config.redis_url, config.session_ttl_s,
                                   count_usage=config.quotas.tokens_per_minute > 0)
         self.responses = ResponseStore(self.store.redis, config.response_ttl_s)  # StoredRpcs'
+        for client in (self.proposer, self.verifier):  # the orchestrator replicas' sessions on each model replica
+            if isinstance(client, Replicas):
+                client.share_loads(LoadBoard(self.store.redis, client.role, 3 * (config.replica_load_s or LOAD_S)))
         self.items = ItemStore(self.responses)
         self.quotas = TenantQuotas(self.store.redis, config.quotas) if config.quotas.enabled else None
         self.api_keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
@@ -568,7 +572,8 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
     async def close(self) -> None:
         if self._pairing is not None:
             self._pairing.cancel()
-        await asyncio.gather(self.proposer.close(), self.verifier.close(), self.store.close())
+        await asyncio.gather(self.proposer.close(), self.verifier.close())  # (they leave the load board on Redis)
+        await self.store.close()
 
 
 def request_id_of(context) -> str:

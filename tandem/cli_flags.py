@@ -450,9 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="deadline of each call to a model service, seconds; a prompt's prefill must fit in it "
                            "(default: %(default)s)")
     orch.add_argument("--replica-load-interval", type=float, default=1.0, metavar="SECONDS",
-                      help="with replicas of a service: how often each is asked for its load (the sessions that "
-                           "called it lately, from every orchestrator), by which new sessions are placed; 0: "
-                           "never, each orchestrator then counts only its own sessions (default: %(default)s)")
+                      help="with replicas of a service: how often this orchestrator shares its sessions on "
+                           "each replica with the other orchestrators through Redis, and reads theirs, by which "
+                           "new sessions are placed; 0: never, each orchestrator then counts only its own "
+                           "sessions (default: %(default)s)")
     orch.add_argument("--draft-fallback", choices=["on", "off"], default="on",
                       help="while the draft service is unavailable, decode on the target alone (same output, "
                            "one token a round) and call the draft again after a backoff; off: such requests fail "

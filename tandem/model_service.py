@@ -244,7 +244,5 @@ class ModelServiceBase:
         # The store's numbers in one snapshot on the model thread, after the calls
         # queued before this one: read apart, an idle sweep running between them
         # could report no session beside the bytes of the one it dropped.
-        if request.load_only:
-            return common_pb2.ServiceStats(**self.counts())
         store = await self.worker.run(self._store_counts)
         return common_pb2.ServiceStats(**{**self.counts(), **store})

@@ -69,7 +69,7 @@ _SERVICE_GAUGES = [
     ("tandem.session_cache.size", "cache_bytes", "By", "bytes of KV cache held"),
     ("tandem.worker.queue_depth", "queue_depth", "{call}", "calls waiting for or running on the model worker"),
     ("tandem.sessions.active", "active_sessions", "{session}",
-     "sessions that called in the last 3 s, from any orchestrator (the load replicas are placed by)"),
+     "sessions that called in the last 3 s, from any orchestrator"),
 ]
 # The model services of this process: each has a role ("draft", "target") and
 # counts(), its GetStats numbers keyed like common.proto's ServiceStats.

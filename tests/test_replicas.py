@@ -3,6 +3,7 @@ calls go to one replica, a replica that goes down hands its sessions to the
 others without changing an output, and replicas of different models are refused."""
 import asyncio
 import math
+import uuid
 
 import grpc
 import pytest
@@ -11,7 +12,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import OrchestratorConfig
-from orchestrator.replicas import LOAD_S, Replicas, copy_id, placed_id, route_key
+from orchestrator.load_board import LoadBoard
+from orchestrator.replicas import LOAD_S, PLACED_S, Replicas, copy_id, placed_id, route_key
 from tandem import telemetry
 from tandem.v1 import common_pb2
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
@@ -196,47 +198,70 @@ def test_new_sessions_are_placed_on_the_least_busy_replicas_of_both_services():
     assert placed_id([]) == ""
 
 
-class _Loaded(_Client):
-    """A replica's client that reports a load (ServiceStats.active_sessions); None: does not answer."""
+def _board(role, stale_s=3 * LOAD_S):
+    """A LoadBoard on the real Redis, under a role of this test's own (tests run side by side)."""
+    import redis.asyncio
 
-    def __init__(self, address, load):
-        super().__init__(address)
-        self.load = load
-
-    async def stats(self, load_only=False, timeout_s=None):
-        assert load_only and timeout_s == LOAD_S  # a poll must not wait behind the model's calls
-        if self.load is None:
-            raise ServiceUnavailable("UNAVAILABLE: connection refused")
-        return common_pb2.ServiceStats(active_sessions=self.load)
+    return LoadBoard(redis.asyncio.Redis.from_url(REDIS_URL), role, stale_s)
 
 
-def test_placement_counts_the_load_each_replica_reports_from_every_orchestrator():
+def test_the_load_board_sums_the_other_orchestrators_fresh_entries():
+    role = f"test-{uuid.uuid4().hex}"
+
+    async def scenario():
+        first, second, third = _board(role, 1.0), _board(role, 1.0), _board(role, 30.0)
+        try:
+            assert await first.share({"a:1": 2, "b:1": 0}) == {}
+            assert await second.share({"a:1": 1, "b:1": 3}) == {"a:1": 2, "b:1": 0}
+            assert await third.share({"b:1": 1}) == {"a:1": 3, "b:1": 3}
+            assert await first.share({"a:1": 0, "b:1": 0}) == {"a:1": 1, "b:1": 4}  # its own is left out
+            await asyncio.sleep(1.3)  # first's and second's entries are now stale (1 s): not counted, dropped
+            assert await third.share({"b:1": 1}) == {}
+            assert await third.redis.hkeys(third.key) == [third.id.encode()]
+            await third.leave()
+            assert not await third.redis.exists(third.key)
+        finally:
+            await first.redis.delete(first.key)
+            for board in (first, second, third):
+                await board.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_placement_counts_the_other_orchestrators_sessions_from_the_board():
+    """Two orchestrators' target clients over the same replicas, sharing their
+    loads through the board on the real Redis."""
+    role = f"test-{uuid.uuid4().hex}"
     clock = _Clock()
-    loads = {ADDRESSES[0]: 4, ADDRESSES[1]: 1}
-    targets = Replicas(lambda address: _Loaded(address, loads[address]), "target", ADDRESSES[:2], clock=clock)
-    a, b = targets.replicas
-    assert [targets.active(r) for r in targets.replicas] == [0, 0]  # no report yet: this orchestrator's own
+    mine, theirs = (Replicas(_Client, role, ADDRESSES[:2], clock=clock) for _ in range(2))
+    a, b = mine.replicas
+    for key in KEYS[:4]:
+        theirs.replicas[0].running[key] = 1  # the other orchestrator runs four sessions on a
+    theirs.replicas[1].placed[KEYS[4]] = clock.now  # and has just placed one on b
 
-    asyncio.run(targets.poll_loads())
-    assert [targets.active(r) for r in targets.replicas] == [4, 1]
-    # New sessions go to b until it holds as many as a reports (those placed after the report count on top).
-    keys = [placed_id([targets]) for _ in range(3)]
-    assert [targets.replica_for(key) for key in keys] == [b, b, b]
-    assert [targets.active(r) for r in targets.replicas] == [4, 4]
-    # This orchestrator's own sessions count where they outnumber the report.
-    for key in KEYS[:6]:
-        a.running[key] = 1
-    assert targets.active(a) == 6
+    async def scenario():
+        boards = [_board(role), _board(role)]
+        mine.share_loads(boards[0])
+        theirs.share_loads(boards[1])
+        try:
+            assert [mine.active(r) for r in mine.replicas] == [0, 0]  # nothing read yet: its own only
+            await theirs.poll_loads()
+            await mine.poll_loads()
+            assert [mine.active(r) for r in mine.replicas] == [4, 1]
+            keys = [placed_id([mine]) for _ in range(3)]  # on b, until it holds as many as a
+            assert [mine.replica_for(key) for key in keys] == [b, b, b]
+            assert [mine.active(r) for r in mine.replicas] == [4, 4]
+            await mine.poll_loads()
+            await theirs.poll_loads()  # and the other one sees them
+            assert [theirs.active(r) for r in theirs.replicas] == [4, 1 + 3]
+            clock.now += max(3 * LOAD_S, PLACED_S) + 0.5  # a reading older than 3 x load_s no longer counts
+            assert [mine.active(r) for r in mine.replicas] == [0, 0]  # (own placements expired too)
+        finally:
+            await boards[0].redis.delete(boards[0].key)
+            for board in boards:
+                await board.redis.aclose()
 
-    # A replica that stops answering keeps its last report until it is stale; then only the own count.
-    a.client.load = None
-    clock.now += 2 * LOAD_S
-    asyncio.run(targets.poll_loads())
-    b.placed.clear()
-    assert [targets.active(r) for r in targets.replicas] == [6, 1]
-    clock.now += 1.5 * LOAD_S  # a's report is now older than 3 x LOAD_S
-    a.running.clear()
-    assert [targets.active(r) for r in targets.replicas] == [0, 1]
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("fields, words", [
@@ -383,84 +408,88 @@ async def _info():
 
 
 @pytest.mark.parametrize("load_s", [LOAD_S, 0])
-def test_pairing_starts_the_load_poll_unless_its_interval_is_0(load_s):
-    loads = {ADDRESSES[0]: 4, ADDRESSES[1]: 1}
-    targets = Replicas(lambda address: _Loaded(address, loads[address]), "target", ADDRESSES[:2], load_s=load_s)
+def test_pairing_starts_sharing_the_loads_unless_the_interval_is_0(load_s):
+    role = f"test-{uuid.uuid4().hex}"
+    targets = Replicas(_Client, role, ADDRESSES[:2], load_s=load_s)
+    targets.replicas[0].running[KEYS[0]] = 1
     for replica in targets.replicas:
         replica.client.model_info = _info
 
     async def scenario():
-        await targets.model_info()
-        await asyncio.sleep(0.05)
-        reports = [targets.active(r) for r in targets.replicas]
-        await targets.close()
-        return reports
+        board = _board(role)
+        targets.share_loads(board)
+        try:
+            await targets.model_info()
+            await asyncio.sleep(0.2)
+            shared = await board.redis.hget(board.key, board.id)
+            await targets.close()  # leaves the board
+            return shared, await board.redis.hget(board.key, board.id)
+        finally:
+            await board.redis.aclose()
 
-    assert asyncio.run(scenario()) == ([4, 1] if load_s else [0, 0])
+    shared, after_close = asyncio.run(scenario())
+    if load_s:
+        assert shared.decode().endswith(f' {{"{ADDRESSES[0]}": 1, "{ADDRESSES[1]}": 0}}') and after_close is None
+    else:
+        assert shared is None
 
 
-def test_a_second_orchestrator_sees_the_sessions_the_first_placed_and_places_beside_them(replica_cluster):
-    """Two orchestrators over the same replicas: the cluster's, and a second
-    one's target client (orchestrator.replicas.Replicas, its own class), which
-    has placed nothing. It reads each replica's own count of its active
-    sessions and places a new session on the less busy replica."""
+def test_a_second_orchestrator_places_beside_the_sessions_the_first_runs(replica_cluster, tiny_models):
+    """The cluster's orchestrator runs three requests, held on the targets'
+    model threads; a second orchestrator's target client (its own class, on
+    its own board entry) reads them from Redis and places a new session on
+    the less busy replica. Released, every output equals the target alone."""
+    import threading
     import time
 
     from orchestrator.backends import GrpcVerifier
-    from tandem.model_service import ACTIVE_S
 
-    time.sleep(ACTIVE_S)  # earlier tests' sessions stop counting
-    sessions = []
-    with replica_cluster.client() as client:
-        for i in range(3):
-            sessions.append(client.create_session())
-            client.chat(sessions[-1], message_ids=[11 + i, 22, 33, 44], max_tokens=4)
-    held = [0, 0]
-    for session in sessions:
-        (replica,) = _holders(replica_cluster.targets, session)
-        held[replica] += 1
-
-    async def second_orchestrator():
-        other = Replicas(GrpcVerifier, "target", replica_cluster.target_address.split(","))
-        try:
-            before = [other.active(r) for r in other.replicas]
-            await other.poll_loads()
-            return before, [other.active(r) for r in other.replicas], other.replica_for(placed_id([other]))
-        finally:
-            await other.close()
-
-    before, after, placed = replica_cluster.run(second_orchestrator())
-    assert before == [0, 0] and after == held
-    assert placed.address == replica_cluster.target_address.split(",")[held.index(min(held))]  # 3 sessions: unequal
-    with replica_cluster.client() as client:
-        for session in sessions:
-            client.delete_session(session)
-
-
-def test_a_load_only_stats_call_is_answered_while_the_model_thread_is_busy(replica_cluster):
-    import threading
-
-    from tandem.v1 import target_pb2_grpc
-
-    target = replica_cluster.targets[0]
-    address = replica_cluster.target_address.split(",")[0]
+    first = replica_cluster.orchestrator.verifier
     release = threading.Event()
-    held = target.worker.submit(release.wait, 30)
+    held = [target.worker.submit(release.wait, 60) for target in replica_cluster.targets]
+    prompts = [[(5 * i + 3 * j) % 120 + 1 for j in range(9)] for i in range(3)]
+    results = [None] * 3
 
-    async def ask():
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = target_pb2_grpc.TargetServiceStub(channel)
-            quick = await stub.GetStats(common_pb2.GetStatsRequest(load_only=True), timeout=5)
-            with pytest.raises(grpc.aio.AioRpcError) as waited:  # the full one waits for the model thread
-                await stub.GetStats(common_pb2.GetStatsRequest(), timeout=0.5)
-            return quick, waited.value.code()
+    def send(i):
+        with replica_cluster.client() as client:
+            results[i] = client.generate(prompt_ids=prompts[i], max_tokens=8)
 
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(3)]
     try:
-        quick, code = replica_cluster.run(ask())
+        for sender in senders:
+            sender.start()
+        deadline = time.monotonic() + 30
+        while sum(len(r.running) for r in first.replicas) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = [len(r.running) for r in first.replicas]
+        assert sum(running) == 3, running  # every request waits on a target, its prefill in flight
+        time.sleep(2 * LOAD_S)  # the first orchestrator has shared them since
+
+        async def second_orchestrator():
+            import redis.asyncio
+
+            other = Replicas(GrpcVerifier, "target", replica_cluster.target_address.split(","))
+            client = redis.asyncio.Redis.from_url(REDIS_URL)
+            other.share_loads(LoadBoard(client, "target", 3 * LOAD_S))
+            try:
+                before = [other.active(r) for r in other.replicas]
+                await other.poll_loads()
+                return before, [other.active(r) for r in other.replicas], other.replica_for(placed_id([other]))
+            finally:
+                await other.close()
+                await client.aclose()
+
+        before, after, placed = replica_cluster.run(second_orchestrator())
     finally:
         release.set()
-        held.result(5)
-    assert isinstance(quick, common_pb2.ServiceStats) and code == grpc.StatusCode.DEADLINE_EXCEEDED
+        for job in held:
+            job.result(10)
+        for sender in senders:
+            sender.join(60)
+    assert before == [0, 0] and after == running
+    assert placed.address == replica_cluster.target_address.split(",")[running.index(min(running))]
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 8)
 
 
 def test_a_dns_name_of_replicas_is_looked_up_and_served(replica_cluster, tiny_models):
