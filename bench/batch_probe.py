@@ -39,15 +39,18 @@ log = logging.getLogger("bench.batch_probe")
 SIDES = ("both_batched", "target_batched", "unbatched")
 
 
-def _round(address: str, prompts: list[str], clients: int, new_tokens: int) -> tuple[float, list[list[int]]]:
+def _round(address: str | list[str], prompts: list[str], clients: int,
+           new_tokens: int) -> tuple[float, list[list[int]]]:
     """Each of `clients` threads sends its share of the prompts, one after
-    another; returns the wall time and the replies' tokens, in prompt order."""
+    another; returns the wall time and the replies' tokens, in prompt order.
+    Several addresses (orchestrators): client i sends to the i-th, in turn."""
+    addresses = [address] if isinstance(address, str) else address
     replies: list[list[int] | None] = [None] * len(prompts)
     errors: list[BaseException] = []
 
     def work(worker: int):
         try:
-            with TandemClient(address, timeout_s=900) as client:
+            with TandemClient(addresses[worker % len(addresses)], timeout_s=900) as client:
                 for i in range(worker, len(prompts), clients):
                     replies[i] = client.generate(prompts[i], max_tokens=new_tokens, temperature=0.0).token_ids
         except BaseException as err:  # reported below, in the caller's thread

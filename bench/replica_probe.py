@@ -1,19 +1,27 @@
 """What replicas of the target give under concurrent requests (README:
-"Replicas of the model services"): two orchestrators in front of the same
+"Replicas of the model services"), in one of two comparisons, side by side in
+one run, the order of the sides rotating from round to round. Each side is
+sent the same greedy requests by C concurrent clients, for each C.
+
+--compare replicas (the default): two orchestrators in front of the same
 processes, one given one target (--target A), the other two (--target A,B),
-both the same draft. Each is sent the same greedy requests by C concurrent
-clients, for each C; side by side in one run, the order of the sides rotating
-from round to round. The second target sits idle while the first side runs.
+both the same draft. The second target sits idle while the first side runs.
+
+--compare load: two pairs of orchestrators, every one given both targets;
+the clients take turns over the pair's two orchestrators. One pair shares its
+sessions per target through Redis (--replica-load-interval 1), the other does
+not (0): each of its orchestrators places new sessions by its own alone.
 
 For each side and C it records the tokens per second of all streams together
-(tokens over the wall time of the round of requests), how the two-target side
-spread its sessions (each target's calls), and whether every reply equals the
-one-target side's.
+(tokens over the wall time of the round of requests), how the sessions were
+spread (each target's calls, and the busier target's share of them, each
+round), and whether every reply equals the reference side's (the last).
 
     python -m bench.replica_probe                       # 2 and 4 clients, the default pair
     python -m bench.replica_probe --clients 1,2,4,8 --repeat 2 --reps 3
+    python -m bench.replica_probe --compare load --clients 2,4 --repeat 2
 
-Writes bench/results/replica_probe.json."""
+Writes bench/results/replica_probe.json (or replica_load_probe.json)."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +39,8 @@ from tandem.redis_local import ensure_redis
 from tandem.v1 import common_pb2, target_pb2_grpc
 
 log = logging.getLogger("bench.replica_probe")
-SIDES = ("two_targets", "one_target")  # the reference last
+SIDES = {"replicas": ("two_targets", "one_target"),  # the reference last
+         "load": ("shared_loads", "own_loads")}
 LOG_DIR = Path.home() / ".cache" / "tandem" / "logs"
 
 
@@ -46,38 +55,44 @@ def _started(stack: contextlib.ExitStack, service: Service) -> Service:
     return service
 
 
-def run(orchestrators: dict[str, Service], targets: list[Service], prompts: list[str], clients: list[int],
+def run(orchestrators: dict[str, list[Service]], targets: list[Service], prompts: list[str], clients: list[int],
         new_tokens: int, reps: int) -> dict:
-    rows = {side: {c: [] for c in clients} for side in SIDES}
-    for orchestrator in orchestrators.values():  # warm-up
-        _round(orchestrator.address, prompts[:1], 1, 8)
+    """orchestrators: each side's, the reference side last."""
+    sides = list(orchestrators)
+    rows = {side: {c: [] for c in clients} for side in sides}
+    for group in orchestrators.values():  # warm-up
+        for orchestrator in group:
+            _round(orchestrator.address, prompts[:1], 1, 8)
     for rep in range(reps):
         for i, c in enumerate(clients):
-            turn = (rep * len(clients) + i) % len(SIDES)
-            for side in SIDES[turn:] + SIDES[:turn]:
+            turn = (rep * len(clients) + i) % len(sides)
+            for side in sides[turn:] + sides[:turn]:
                 before = [_calls(t) for t in targets]
-                wall, replies = _round(orchestrators[side].address, prompts, c, new_tokens)
+                wall, replies = _round([o.address for o in orchestrators[side]], prompts, c, new_tokens)
                 calls = [_calls(t) - b for t, b in zip(targets, before)]
                 tokens = sum(len(r) for r in replies)
                 rows[side][c].append({"rep": rep, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-                                      "target_calls": calls, "replies": replies})
+                                      "target_calls": calls, "busier_share": max(calls) / max(sum(calls), 1),
+                                      "replies": replies})
                 log.info("%s, %d clients: %.2f tok/s, target calls %s", side, c, tokens / wall, calls)
     summary = {side: {str(c): {
         "tok_s": sum(r["tokens"] for r in rows[side][c]) / sum(r["wall_s"] for r in rows[side][c]),
         "tok_s_runs": [r["tok_s"] for r in rows[side][c]],
         "median_tok_s": statistics.median(r["tok_s"] for r in rows[side][c]),
         "target_calls": [sum(r["target_calls"][j] for r in rows[side][c]) for j in range(len(targets))],
-    } for c in clients} for side in SIDES}
+        "busier_share_runs": [r["busier_share"] for r in rows[side][c]],
+        "busier_share_mean": statistics.fmean(r["busier_share"] for r in rows[side][c]),
+    } for c in clients} for side in sides}
     return {
         "modes": summary,
-        "reference": SIDES[-1],
-        "over_reference": {str(c): summary[SIDES[0]][str(c)]["tok_s"] / summary[SIDES[-1]][str(c)]["tok_s"]
+        "reference": sides[-1],
+        "over_reference": {str(c): summary[sides[0]][str(c)]["tok_s"] / summary[sides[-1]][str(c)]["tok_s"]
                            for c in clients},
         "identical_rounds": sum(a["replies"] == b["replies"] for c in clients
-                                for a, b in zip(rows[SIDES[0]][c], rows[SIDES[-1]][c])),
+                                for a, b in zip(rows[sides[0]][c], rows[sides[-1]][c])),
         "rounds": reps * len(clients),
         "runs": {side: {str(c): [{k: v for k, v in r.items() if k != "replies"} for r in rows[side][c]]
-                        for c in clients} for side in SIDES},
+                        for c in clients} for side in sides},
     }
 
 
@@ -86,8 +101,14 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     pair_flags(parser)
     round_flags(parser, "2,4")
-    parser.add_argument("--out", type=Path, default=RESULTS / "replica_probe.json", help="JSON output path")
+    parser.add_argument("--compare", choices=sorted(SIDES), default="replicas",
+                        help="replicas: two targets against one; load: orchestrators sharing their loads "
+                             "against not (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON output path (default: bench/results/replica_probe.json, or "
+                             "replica_load_probe.json with --compare load)")
     args = parse_args(parser, argv)
+    out = args.out or RESULTS / ("replica_load_probe.json" if args.compare == "load" else "replica_probe.json")
     clients, prompts = round_args(parser, args)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     common = ["--redis-url", ensure_redis(), "--prefix-cache", "0"]  # each request prefills its prompt
@@ -99,22 +120,33 @@ def main(argv=None) -> int:
         draft = _started(stack, Service("draft", ["--model", args.draft, *args.draft_args.split()],
                                         threads=args.threads))
         draft.ready(LOG_DIR, 900)
+        both = ",".join(t.address for t in targets)
+        if args.compare == "replicas":
+            groups = {"two_targets": [("--target", both)], "one_target": [("--target", targets[0].address)]}
+        else:
+            groups = {side: [("--target", both, "--replica-load-interval", interval)] * 2
+                      for side, interval in (("shared_loads", "1"), ("own_loads", "0"))}
         orchestrators = {}
-        for side, listed in (("two_targets", targets), ("one_target", targets[:1])):
-            orchestrators[side] = _started(stack, Service("orchestrator", [
-                "--target", ",".join(t.address for t in listed), "--draft", draft.address, *common]))
-            orchestrators[side].ready(LOG_DIR, 120)
+        for side, flags in groups.items():
+            orchestrators[side] = [_started(stack, Service("orchestrator", [*f, "--draft", draft.address, *common]))
+                                   for f in flags]
+            for orchestrator in orchestrators[side]:
+                orchestrator.ready(LOG_DIR, 120)
         result = run(orchestrators, targets, prompts, clients, args.new_tokens, args.reps)
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, repeat=args.repeat,
                   new_tokens=args.new_tokens, prompts=args.prompts.split(","), threads=args.threads,
+                  compare=args.compare, orchestrators_per_side=len(orchestrators[SIDES[args.compare][0]]),
                   machine=machine())
-    write(args.out, result)
-    print(f"{'clients':>7} {'two targets tok/s':>18} {'one target tok/s':>17}  ratio (cut)  two targets' calls (A, B)")
+    write(out, result)
+    first, reference = SIDES[args.compare]
+    print(f"{'clients':>7} {first + ' tok/s':>18} {reference + ' tok/s':>18}  ratio (cut)  calls (A, B) and the "
+          f"busier target's mean share, each side")
     for c in clients:
-        two, one = result["modes"]["two_targets"][str(c)], result["modes"]["one_target"][str(c)]
-        print(f"{c:>7} {two['tok_s']:18.2f} {one['tok_s']:17.2f}  {cut(result['over_reference'][str(c)]):10.2f}x"
-              f"  {two['target_calls']}")
-    print(f"rounds of requests whose replies equal one target's: {result['identical_rounds']}/{result['rounds']}")
+        a, b = result["modes"][first][str(c)], result["modes"][reference][str(c)]
+        print(f"{c:>7} {a['tok_s']:18.2f} {b['tok_s']:18.2f}  {cut(result['over_reference'][str(c)]):10.2f}x"
+              f"  {a['target_calls']} {cut(a['busier_share_mean']):.2f}; {b['target_calls']} "
+              f"{cut(b['busier_share_mean']):.2f}")
+    print(f"rounds of requests whose replies equal {reference}'s: {result['identical_rounds']}/{result['rounds']}")
     return 0
 
 

@@ -536,3 +536,23 @@ def test_the_replica_probe_spreads_sessions_over_both_targets_with_the_same_repl
     two, one = result["modes"]["two_targets"]["2"], result["modes"]["one_target"]["2"]
     assert all(two["target_calls"]), two  # 16 sessions: all on one target by chance once in 2**15
     assert one["target_calls"][0] > 0 and one["target_calls"][1] == 0
+
+
+def test_the_replica_probe_compares_orchestrators_that_share_their_loads_with_ones_that_do_not(char_models, tmp_path):
+    """bench.replica_probe --compare load on the tiny pair: two pairs of
+    orchestrator processes over the same two targets, the clients taking turns
+    over a pair's two; the replies are the same on both sides."""
+    import json
+
+    from bench.replica_probe import main
+
+    out = tmp_path / "replica_load_probe.json"
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--compare", "load", "--clients", "2", "--reps", "1", "--repeat", "4", "--new-tokens", "8",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["compare"] == "load" and result["orchestrators_per_side"] == 2
+    assert result["identical_rounds"] == result["rounds"] == 1 and result["reference"] == "own_loads"
+    for side in ("shared_loads", "own_loads"):
+        mode = result["modes"][side]["2"]
+        assert sum(mode["target_calls"]) > 0 and 0.5 <= mode["busier_share_mean"] <= 1.0
