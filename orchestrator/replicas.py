@@ -55,6 +55,7 @@ SEPARATOR = "~"  # in a copy's cache id, before the route key it shares with its
 DOWN_S = 5.0  # how long a replica that did not answer takes no calls
 PLACED_S = 5.0  # a new session counts on its replica this long before its first call
 REFRESH_S = 10.0  # how often a DNS name's addresses are looked up again
+PLACE_WAIT_S = 0.25  # how long a new session's placement waits for a fresh reading of the board
 LOAD_S = 1.0  # how often each replica's load is asked for; a report older than 3 x LOAD_S is not used
 
 
@@ -121,6 +122,7 @@ class Replicas:
         self.moves = 0  # calls that failed over to another replica
         self._refresher: asyncio.Task | None = None
         self._loads: asyncio.Task | None = None  # polls the replicas' loads (LOAD_S)
+        self._sharing: asyncio.Task | None = None  # shares a placement at once (share_soon)
         self._leaving: dict[asyncio.Task, object] = {}  # clients of replicas that left, closed later
 
     @property
@@ -181,6 +183,28 @@ class Replicas:
         read = self.clock()
         for replica in self.replicas:
             replica.others, replica.others_at = others.get(replica.address, 0), read
+
+    @property
+    def sharing(self) -> bool:
+        return self.board is not None and self.load_s > 0
+
+    async def fresh_loads(self) -> None:
+        """Before a new session is placed: the board read (and this
+        orchestrator's loads written) now, or within PLACE_WAIT_S; else the
+        last reading stands."""
+        if self.sharing:
+            try:
+                await asyncio.wait_for(self.poll_loads(), PLACE_WAIT_S)
+            except asyncio.TimeoutError:
+                log.debug("%s replicas: the load board took over %gs; placing by the last reading", self.role,
+                          PLACE_WAIT_S)
+
+    def share_soon(self) -> None:
+        """After a new session is placed: this orchestrator's loads written
+        at once, in the background, so that the others see it before the next
+        poll (one write in flight at a time; the poll catches up the rest)."""
+        if self.sharing and (self._sharing is None or self._sharing.done()):
+            self._sharing = asyncio.get_running_loop().create_task(self.poll_loads())
 
     async def _poll_loads_forever(self) -> None:
         while True:
@@ -318,7 +342,7 @@ class Replicas:
             await self.refresh()
             if self._refresher is None:
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
-        if self._loads is None and self.load_s > 0 and self.board is not None:
+        if self._loads is None and self.sharing:
             self._loads = asyncio.get_running_loop().create_task(self._poll_loads_forever())
         replicas = list(self.replicas)
         if not replicas:
@@ -349,7 +373,7 @@ class Replicas:
         return await asyncio.gather(*(replica.client.stats() for replica in self.replicas))
 
     async def close(self) -> None:
-        for task in (self._refresher, self._loads):
+        for task in (self._refresher, self._loads, self._sharing):
             if task is not None:
                 task.cancel()
         leaving = list(self._leaving.items())

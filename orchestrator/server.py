@@ -318,7 +318,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         tenant = await self._tenant(context)
         await self._ready(context)
         messages = [{"role": "system", "content": request.system_prompt}] if request.system_prompt else []
-        record = await self.store.create(tenant, messages, request.ttl_seconds, cache_id=self._placed_id())
+        record = await self.store.create(tenant, messages, request.ttl_seconds, cache_id=await self._placed_id())
         return tandem_pb2.Session(session_id=record.session_id, committed_tokens=0)
 
     @admitted
@@ -506,7 +506,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                     await self.store.save_meta(record)
                 log.debug("session %s: %d of %d prompt tokens reused", record.session_id, cached, len(prompt))
                 return record, cached
-        return await self.store.create(tenant, messages, cache_id=self._placed_id()), 0
+        return await self.store.create(tenant, messages, cache_id=await self._placed_id()), 0
 
     async def _share(self, record, prompt: list[int]) -> None:
         try:
@@ -543,10 +543,16 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         """Frees a session's caches on both services."""
         await asyncio.gather(self.proposer.release(cache_id), self.verifier.release(cache_id))
 
-    def _placed_id(self) -> str:
-        """A new session's cache id, placed on the least busy replicas (orchestrator.replicas);
+    async def _placed_id(self) -> str:
+        """A new session's cache id, placed on the least busy replicas (orchestrator.replicas)
+        by a fresh reading of the other orchestrators' loads, which then see it at once;
         "" (the session's id) without replicas."""
-        return placed_id([client for client in (self.verifier, self.proposer) if isinstance(client, Replicas)])
+        services = [client for client in (self.verifier, self.proposer) if isinstance(client, Replicas)]
+        await asyncio.gather(*(service.fresh_loads() for service in services))
+        cache_id = placed_id(services)
+        for service in services:
+            service.share_soon()
+        return cache_id
 
     def _crowded(self, cache_id: str) -> bool:
         """Whether the replica of either service that holds a session's caches

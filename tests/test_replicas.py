@@ -264,6 +264,38 @@ def test_placement_counts_the_other_orchestrators_sessions_from_the_board():
     asyncio.run(scenario())
 
 
+def test_a_new_session_is_placed_by_a_fresh_reading_and_shared_at_once():
+    """As the orchestrator places a session (OrchestratorServicer._placed_id):
+    the board read first, then the placement written at once, so that two
+    orchestrators placing one after the other within a poll's second do not
+    both pick the same idle replica."""
+    role = f"test-{uuid.uuid4().hex}"
+    mine, theirs = (Replicas(_Client, role, ADDRESSES[:2]) for _ in range(2))
+    for key in KEYS[:3]:
+        theirs.replicas[0].running[key] = 1
+
+    async def scenario():
+        boards = [_board(role), _board(role)]
+        mine.share_loads(boards[0])
+        theirs.share_loads(boards[1])
+        try:
+            theirs.share_soon()  # as after its last placement
+            await theirs._sharing
+            await mine.fresh_loads()
+            key = placed_id([mine])
+            assert mine.replica_for(key) is mine.replicas[1]
+            mine.share_soon()
+            await mine._sharing
+            await theirs.fresh_loads()
+            return [theirs.active(r) for r in theirs.replicas]
+        finally:
+            await boards[0].redis.delete(boards[0].key)
+            for board in boards:
+                await board.redis.aclose()
+
+    assert asyncio.run(scenario()) == [3, 1]
+
+
 @pytest.mark.parametrize("fields, words", [
     (dict(target_address="a:1,,b:2"), "an empty address"),
     (dict(draft_address="a:1,a:1"), "an address given twice"),
