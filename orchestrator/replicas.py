@@ -124,6 +124,7 @@ class Replicas:
         self._loads: asyncio.Task | None = None  # polls the replicas' loads (LOAD_S)
         self._sharing: asyncio.Task | None = None  # shares a placement at once (share_soon)
         self._leaving: dict[asyncio.Task, object] = {}  # clients of replicas that left, closed later
+        telemetry.watch_replicas(self)
 
     @property
     def clients(self) -> list:
@@ -183,6 +184,17 @@ class Replicas:
         read = self.clock()
         for replica in self.replicas:
             replica.others, replica.others_at = others.get(replica.address, 0), read
+
+    def loads(self) -> dict[str, tuple[int, int]]:
+        """Each replica's address: (this orchestrator's sessions there, every
+        orchestrator's as placement counts them). Read by the metrics from their
+        own thread: it changes nothing."""
+        fresh_since = self.clock() - 3 * (self.load_s or LOAD_S)
+        loads = {}
+        for replica in list(self.replicas):
+            own = len(replica.running) + len(replica.placed.keys() - replica.running.keys())
+            loads[replica.address] = (own, own + (replica.others if replica.others_at >= fresh_since else 0))
+        return loads
 
     @property
     def sharing(self) -> bool:

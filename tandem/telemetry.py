@@ -81,6 +81,23 @@ def watch_service(service) -> None:
     _services.add(service)
 
 
+# The orchestrator's clients of replicated model services (orchestrator.replicas.Replicas).
+_replica_sets: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def watch_replicas(replicas) -> None:
+    """Reports each replica's sessions (replicas.loads()) in the metrics, while `replicas` lives."""
+    _replica_sets.add(replicas)
+
+
+def _observe_replicas(index: int):
+    def callback(options: CallbackOptions):
+        return [Observation(counts[index], {"service": replicas.role, "replica": address})
+                for replicas in list(_replica_sets) for address, counts in replicas.loads().items()]
+
+    return callback
+
+
 def _observe(key: str):
     def callback(options: CallbackOptions):
         totals: dict[str, int] = {}
@@ -140,6 +157,12 @@ class Instruments:
         self.verify_compute = histogram("tandem.verify.compute", description=(
             "target compute of a verify that prefilled at most one token"), **seconds)
         self.draft_step = histogram("tandem.draft.step", description="draft compute per drafted token", **seconds)
+        # orchestrator: its sessions on each model replica, and all orchestrators' (watch_replicas)
+        meter.create_observable_gauge("tandem.replica.sessions", [_observe_replicas(0)], "{session}", (
+            "this orchestrator's sessions on each model replica: a call in flight, or placed and about to call"))
+        meter.create_observable_gauge("tandem.replica.load", [_observe_replicas(1)], "{session}", (
+            "every orchestrator's sessions on each model replica, as new sessions are placed by them "
+            "(--replica-load-interval)"))
         # model services: read from the counts they keep for GetStats (see watch_service)
         for name, key, unit, description in _SERVICE_COUNTERS:
             meter.create_observable_counter(name, [_observe(key)], unit, description)

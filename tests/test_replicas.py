@@ -296,6 +296,27 @@ def test_a_new_session_is_placed_by_a_fresh_reading_and_shared_at_once():
     assert asyncio.run(scenario()) == [3, 1]
 
 
+def test_each_replicas_sessions_are_metrics_this_orchestrators_and_every_ones():
+    role = f"test-{uuid.uuid4().hex}"
+    clock = _Clock()
+    targets = Replicas(_Client, role, ADDRESSES[:2], clock=clock)
+    a, b = targets.replicas
+    a.running[KEYS[0]] = 2  # one session, two calls in flight
+    b.placed[KEYS[1]] = clock.now
+    b.others, b.others_at = 3, clock.now  # the other orchestrators' three, just read from the board
+    reader = InMemoryMetricReader()
+    telemetry.install(None, MeterProvider([reader]))
+    try:
+        metrics = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+    finally:
+        telemetry.install()
+    found = {(metric.name, point.attributes["replica"]): point.value for metric in metrics
+             if metric.name.startswith("tandem.replica.") for point in metric.data.data_points
+             if point.attributes.get("service") == role}
+    assert found == {("tandem.replica.sessions", a.address): 1, ("tandem.replica.sessions", b.address): 1,
+                     ("tandem.replica.load", a.address): 1, ("tandem.replica.load", b.address): 4}
+
+
 @pytest.mark.parametrize("fields, words", [
     (dict(target_address="a:1,,b:2"), "an empty address"),
     (dict(draft_address="a:1,a:1"), "an address given twice"),
