@@ -609,3 +609,5 @@ def test_the_replica_probe_compares_orchestrators_that_share_their_loads_with_on
     for side in ("shared_loads", "own_loads"):
         mode = result["modes"][side]["2"]
         assert sum(mode["target_calls"]) > 0 and 0.5 <= mode["busier_share_mean"] <= 1.0
+        (run,) = result["runs"][side]["2"]
+        assert run["samples"] > 0 and run["sample_errors"] == 0  # the orchestrators' gauges were scraped
