@@ -13,6 +13,7 @@ from orchestrator.backends import Proposer, Verifier
 from orchestrator.breaker import DraftBreaker
 from orchestrator.decoder import Decoder
 from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCosts
+from orchestrator.replicas import hold
 from orchestrator.rounds import Committed, RoundStats, ServiceView
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import Detokenizer, cut_at_stop, find_stop, reasoning_tokens
@@ -219,6 +220,7 @@ class Generation:
         first_token_ms = 0.0
         room = self.config.max_context - len(record.tokens)
         rounds = decoder.rounds()
+        unhold = hold((self.proposer, self.verifier), record.cache_id)  # the request counts on its replicas
         try:
             async for newly in rounds:
                 keep, finish = self._cut(newly, completion, params, room, eos)
@@ -252,6 +254,7 @@ class Generation:
                     break
         finally:
             await rounds.aclose()
+            unhold()
             metrics.finish(decoder.stats, finish, len(completion), cached + len(turn), cached)
             # Services may hold more than was committed; they crop on the next call.
             record.draft_len = min(decoder.draft_view.length, len(record.tokens))

@@ -15,10 +15,12 @@ every address is a replica, looked up again every REFRESH_S (a Kubernetes
 headless Service lists its ready pods so).
 
 New sessions go to the least busy replicas (placed_id). A replica's load is
-this orchestrator's sessions there, counted as they start and end, plus every
-other orchestrator's, which they share through Redis every LOAD_S
-(orchestrator.load_board). So orchestrator replicas behind one Service spread
-their sessions over the model replicas together, not each on its own.
+this orchestrator's sessions there (a request counts from its start to its
+end: hold), plus every other orchestrator's, which they share through Redis
+every LOAD_S and as they place a session, the placement itself chosen on the
+board in one script (orchestrator.load_board). So orchestrator replicas behind
+one Service spread their sessions over the model replicas together, not each
+on its own, even when they place at the same moment.
 
 A replica that does not answer (UNAVAILABLE, or past the call's deadline) is
 set aside for DOWN_S. The call fails as a cache miss while another replica is
@@ -38,6 +40,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import random
 import socket
 import time
 import uuid
@@ -92,6 +95,7 @@ class Replica:
     checked: bool = False  # its model is the reference's
     refused: str = ""  # why it takes no calls: it serves another model
     running: dict = field(default_factory=dict)  # route key -> its calls in flight here
+    held: dict = field(default_factory=dict)  # route key -> its requests running (Replicas.hold), here
     placed: dict = field(default_factory=dict)  # route key -> when a new session was placed here, until its first call
     others: int = 0  # the other orchestrators' sessions here (orchestrator.load_board) ...
     others_at: float = -math.inf  # ... as read at this time
@@ -122,7 +126,6 @@ class Replicas:
         self.moves = 0  # calls that failed over to another replica
         self._refresher: asyncio.Task | None = None
         self._loads: asyncio.Task | None = None  # polls the replicas' loads (LOAD_S)
-        self._sharing: asyncio.Task | None = None  # shares a placement at once (share_soon)
         self._leaving: dict[asyncio.Task, object] = {}  # clients of replicas that left, closed later
         telemetry.watch_replicas(self)
 
@@ -192,7 +195,7 @@ class Replicas:
         fresh_since = self.clock() - 3 * (self.load_s or LOAD_S)
         loads = {}
         for replica in list(self.replicas):
-            own = len(replica.running) + len(replica.placed.keys() - replica.running.keys())
+            own = len(replica.held.keys() | replica.running.keys() | replica.placed.keys())
             loads[replica.address] = (own, own + (replica.others if replica.others_at >= fresh_since else 0))
         return loads
 
@@ -200,23 +203,27 @@ class Replicas:
     def sharing(self) -> bool:
         return self.board is not None and self.load_s > 0
 
-    async def fresh_loads(self) -> None:
-        """Before a new session is placed: the board read (and this
-        orchestrator's loads written) now, or within PLACE_WAIT_S; else the
-        last reading stands."""
-        if self.sharing:
-            try:
-                await asyncio.wait_for(self.poll_loads(), PLACE_WAIT_S)
-            except asyncio.TimeoutError:
-                log.debug("%s replicas: the load board took over %gs; placing by the last reading", self.role,
-                          PLACE_WAIT_S)
-
-    def share_soon(self) -> None:
-        """After a new session is placed: this orchestrator's loads written
-        at once, in the background, so that the others see it before the next
-        poll (one write in flight at a time; the poll catches up the rest)."""
-        if self.sharing and (self._sharing is None or self._sharing.done()):
-            self._sharing = asyncio.get_running_loop().create_task(self.poll_loads())
+    async def reserve(self) -> list[Replica] | None:
+        """Before a new session is placed: the least busy usable replica, as
+        the board chooses it, counting every orchestrator's sessions, with the
+        new session written there at once (LoadBoard.place); None without a
+        board, or when Redis does not answer within PLACE_WAIT_S (then
+        least_busy() places it, by the last reading)."""
+        usable = [replica for replica in self.replicas if self.usable(replica)]
+        if not self.sharing or not usable:
+            return None
+        random.shuffle(usable)  # the board takes the first of the least busy
+        own = {replica.address: self.own(replica) for replica in self.replicas}
+        try:
+            chosen, others = await asyncio.wait_for(
+                self.board.place(own, [replica.address for replica in usable]), PLACE_WAIT_S)
+        except Exception as err:  # noqa: BLE001 (placed by the last reading instead)
+            log.debug("%s replicas: no placement from the load board (%s)", self.role, err)
+            return None
+        read = self.clock()
+        for replica in self.replicas:
+            replica.others, replica.others_at = others.get(replica.address, 0), read
+        return [replica for replica in usable if replica.address == chosen] or None
 
     async def _poll_loads_forever(self) -> None:
         while True:
@@ -245,14 +252,38 @@ class Replicas:
         return next((replica for replica in order if not replica.refused), order[0])
 
     def own(self, replica: Replica) -> int:
-        """This orchestrator's sessions on the replica: those with a call in
-        flight there (a running request has one there nearly all the time),
-        and those placed there in the last PLACED_S seconds that have not
-        called yet."""
+        """This orchestrator's sessions on the replica: those whose request
+        runs (hold), or with a call in flight there, and those placed there in
+        the last PLACED_S seconds whose request has not started yet."""
         since = self.clock() - PLACED_S
         for key in [key for key, at in replica.placed.items() if at < since]:
             del replica.placed[key]
-        return len(replica.running) + len(replica.placed.keys() - replica.running.keys())
+        return len(replica.held.keys() | replica.running.keys() | replica.placed.keys())
+
+    # A request counts on its session's replica from start to end (between two
+    # of its calls to this service, none is in flight: the other service works).
+    def hold(self, cache_id: str) -> None:
+        """A request of the session starts: it counts on its replica until unhold."""
+        key = route_key(cache_id)
+        replica = self.replica_for(cache_id) if self.replicas else None
+        if replica is not None:
+            replica.held[key] = replica.held.get(key, 0) + 1
+            replica.placed.pop(key, None)
+
+    def unhold(self, cache_id: str) -> None:
+        key = route_key(cache_id)
+        for replica in self.replicas:
+            if key in replica.held:
+                if (left := replica.held.pop(key) - 1) > 0:
+                    replica.held[key] = left
+                return
+
+    def _follow(self, key: str, replica: Replica) -> None:
+        """A held session whose call went to another replica (its own was set
+        aside) counts there from now on."""
+        for other in self.replicas:
+            if other is not replica and key in other.held:
+                replica.held[key] = replica.held.get(key, 0) + other.held.pop(key)
 
     def active(self, replica: Replica) -> int:
         """The replica's load in sessions: this orchestrator's, and the other
@@ -291,6 +322,8 @@ class Replicas:
         key = route_key(cache_id)
         replica.running[key] = replica.running.get(key, 0) + 1
         replica.placed.pop(key, None)
+        if key not in replica.held:
+            self._follow(key, replica)
         try:
             return await call(replica.client)
         except ServiceUnavailable as err:
@@ -385,7 +418,7 @@ class Replicas:
         return await asyncio.gather(*(replica.client.stats() for replica in self.replicas))
 
     async def close(self) -> None:
-        for task in (self._refresher, self._loads, self._sharing):
+        for task in (self._refresher, self._loads):
             if task is not None:
                 task.cancel()
         leaving = list(self._leaving.items())
@@ -399,15 +432,33 @@ class Replicas:
                 log.debug("%s replicas: could not leave the load board (%s)", self.role, err)
 
 
-def placed_id(services: list[Replicas], tries: int = 512) -> str:
+def hold(clients, cache_id: str) -> Callable[[], None]:
+    """A request of the session starts: it counts on its replica of each
+    replicated service (Replicas.hold) until the function returned is called;
+    a plain client has nothing to count."""
+    replicated = [client for client in clients if isinstance(client, Replicas)]
+    for client in replicated:
+        client.hold(cache_id)
+
+    def unhold() -> None:
+        for client in replicated:
+            client.unhold(cache_id)
+
+    return unhold
+
+
+def placed_id(services: list[Replicas], wanted: list | None = None, tries: int = 512) -> str:
     """A new session's cache id, placed on the least busy replica of the
     first service (the target), and where it can, of the others too (the
     draft): the first of up to `tries` random ids that the rendezvous order
     puts there. Load-aware where rendezvous hashing alone is not: a few
-    sessions at once would land unevenly. "" without replicas."""
+    sessions at once would land unevenly. `wanted`: each service's replicas
+    to place it on (Replicas.reserve), where not None; else its least busy.
+    "" without replicas."""
     if not services:
         return ""
-    wanted = [service.least_busy() for service in services]
+    wanted = [want if want is not None else service.least_busy()
+              for service, want in zip(services, wanted or [None] * len(services))]
     fallback = ""
     for _ in range(tries):
         key = uuid.uuid4().hex

@@ -544,15 +544,11 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         await asyncio.gather(self.proposer.release(cache_id), self.verifier.release(cache_id))
 
     async def _placed_id(self) -> str:
-        """A new session's cache id, placed on the least busy replicas (orchestrator.replicas)
-        by a fresh reading of the other orchestrators' loads, which then see it at once;
+        """A new session's cache id, placed on the least busy replicas (orchestrator.replicas),
+        every orchestrator's sessions counted, on the load board where it answers;
         "" (the session's id) without replicas."""
         services = [client for client in (self.verifier, self.proposer) if isinstance(client, Replicas)]
-        await asyncio.gather(*(service.fresh_loads() for service in services))
-        cache_id = placed_id(services)
-        for service in services:
-            service.share_soon()
-        return cache_id
+        return placed_id(services, list(await asyncio.gather(*(service.reserve() for service in services))))
 
     def _crowded(self, cache_id: str) -> bool:
         """Whether the replica of either service that holds a session's caches

@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import OrchestratorConfig
 from orchestrator.load_board import LoadBoard
-from orchestrator.replicas import LOAD_S, PLACED_S, Replicas, copy_id, placed_id, route_key
+from orchestrator.replicas import LOAD_S, PLACED_S, Replicas, copy_id, hold, placed_id, route_key
 from tandem import telemetry
 from tandem.v1 import common_pb2
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
@@ -264,36 +264,77 @@ def test_placement_counts_the_other_orchestrators_sessions_from_the_board():
     asyncio.run(scenario())
 
 
-def test_a_new_session_is_placed_by_a_fresh_reading_and_shared_at_once():
-    """As the orchestrator places a session (OrchestratorServicer._placed_id):
-    the board read first, then the placement written at once, so that two
-    orchestrators placing one after the other within a poll's second do not
-    both pick the same idle replica."""
+def test_orchestrators_placing_at_the_same_moment_take_different_replicas():
+    """The board places (LoadBoard.place: one script, read and written at
+    once): two orchestrators placing together never both take the idle one."""
     role = f"test-{uuid.uuid4().hex}"
     mine, theirs = (Replicas(_Client, role, ADDRESSES[:2]) for _ in range(2))
-    for key in KEYS[:3]:
-        theirs.replicas[0].running[key] = 1
 
     async def scenario():
         boards = [_board(role), _board(role)]
         mine.share_loads(boards[0])
         theirs.share_loads(boards[1])
         try:
-            theirs.share_soon()  # as after its last placement
-            await theirs._sharing
-            await mine.fresh_loads()
-            key = placed_id([mine])
-            assert mine.replica_for(key) is mine.replicas[1]
-            mine.share_soon()
-            await mine._sharing
-            await theirs.fresh_loads()
-            return [theirs.active(r) for r in theirs.replicas]
+            picks = []
+            for _ in range(10):
+                ours, others = await asyncio.gather(mine.reserve(), theirs.reserve())
+                picks.append((ours[0].address, others[0].address))
+            return picks
         finally:
             await boards[0].redis.delete(boards[0].key)
             for board in boards:
                 await board.redis.aclose()
 
-    assert asyncio.run(scenario()) == [3, 1]
+    picks = asyncio.run(scenario())
+    assert all(a != b for a, b in picks), picks
+
+
+def test_without_redis_a_placement_falls_back_to_the_last_reading_at_once():
+    import time
+
+    import redis.asyncio
+
+    targets = Replicas(_Client, "target", ADDRESSES[:2])
+    targets.replicas[0].running[KEYS[0]] = 1
+
+    async def scenario():
+        client = redis.asyncio.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=5)
+        targets.share_loads(LoadBoard(client, "target", 3 * LOAD_S))
+        try:
+            started = time.monotonic()
+            reserved = await targets.reserve()
+            return reserved, time.monotonic() - started, placed_id([targets], [reserved])
+        finally:
+            await client.aclose()
+
+    reserved, took_s, key = asyncio.run(scenario())
+    assert reserved is None and took_s <= 1.0
+    assert targets.replica_for(key) is targets.replicas[1]  # least_busy: its own count
+
+
+def test_a_request_counts_on_its_replica_from_start_to_end_and_follows_a_move():
+    clock = _Clock()
+    targets = Replicas(_Client, "target", ADDRESSES[:2], clock=clock)
+    drafts = Replicas(_Client, "draft", ADDRESSES[:2], clock=clock)
+    key = placed_id([targets, drafts])
+    home = targets.replica_for(key)
+    assert targets.own(home) == 1  # placed
+    unhold = hold([targets, drafts, object()], key)  # a plain client has nothing to count
+    assert route_key(key) not in home.placed and home.held == {route_key(key): 1}
+    assert [targets.own(r) for r in targets.replicas].count(1) == 1
+    clock.now += 10  # no call for a while (the draft works): it still counts
+    assert targets.own(home) == 1
+    other = next(r for r in targets.replicas if r is not home)
+    home.down_until = clock.now + 5  # set aside: the session's next call goes to the other one
+
+    async def call():
+        await targets.propose(key, None)
+
+    asyncio.run(call())
+    assert targets.own(home) == 0 and other.held == {route_key(key): 1}
+    unhold()
+    assert [targets.own(r) for r in targets.replicas] == [0, 0]
+    assert [drafts.own(r) for r in drafts.replicas] == [0, 0]
 
 
 def test_each_replicas_sessions_are_metrics_this_orchestrators_and_every_ones():
@@ -516,6 +557,7 @@ def test_a_second_orchestrator_places_beside_the_sessions_the_first_runs(replica
             time.sleep(0.05)
         running = [len(r.running) for r in first.replicas]
         assert sum(running) == 3, running  # every request waits on a target, its prefill in flight
+        assert [len(r.held) for r in first.replicas] == running  # and each counts there until it ends
         time.sleep(2 * LOAD_S)  # the first orchestrator has shared them since
 
         async def second_orchestrator():
@@ -540,6 +582,7 @@ def test_a_second_orchestrator_places_beside_the_sessions_the_first_runs(replica
         for sender in senders:
             sender.join(60)
     assert before == [0, 0] and after == running
+    assert [first.own(r) for r in first.replicas] == [0, 0]  # the requests ended: none counts
     assert placed.address == replica_cluster.target_address.split(",")[running.index(min(running))]
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference_greedy(tiny_models["target"], prompt, 8)
