@@ -447,6 +447,16 @@ def hold(clients, cache_id: str) -> Callable[[], None]:
     return unhold
 
 
+async def placed_on_board(services: list[Replicas], lock: asyncio.Lock) -> str:
+    """A new session's cache id (placed_id), each service's replica chosen
+    on its load board where it answers (Replicas.reserve). One placement of
+    an orchestrator at a time (`lock`, its own): the next one's count then
+    holds this one, which the board alone would not (a placement writes this
+    orchestrator's whole count, as it stood when it was sent)."""
+    async with lock:
+        return placed_id(services, list(await asyncio.gather(*(service.reserve() for service in services))))
+
+
 def placed_id(services: list[Replicas], wanted: list | None = None, tries: int = 512) -> str:
     """A new session's cache id, placed on the least busy replica of the
     first service (the target), and where it can, of the others too (the

@@ -17,7 +17,7 @@ from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
 from orchestrator.load_board import LoadBoard
-from orchestrator.replicas import LOAD_S, Replicas, placed_id, service_client
+from orchestrator.replicas import LOAD_S, Replicas, placed_on_board, service_client
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.stored_responses import ItemStore, ResponseStore, StoredRpcs
@@ -74,6 +74,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         self.pair_error: str | None = None
         self._pairing: asyncio.Task | None = None  # pairs a draft service that was down at start
         self._connecting = asyncio.Lock()  # the first requests connect once, not once each
+        self._placing = asyncio.Lock()  # new sessions are placed one at a time (orchestrator.replicas)
         self.active_requests = 0  # Generate and Chat streams in progress
 
     async def connect(self, wait_s: float = 0.0) -> None:
@@ -548,7 +549,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         every orchestrator's sessions counted, on the load board where it answers;
         "" (the session's id) without replicas."""
         services = [client for client in (self.verifier, self.proposer) if isinstance(client, Replicas)]
-        return placed_id(services, list(await asyncio.gather(*(service.reserve() for service in services))))
+        return await placed_on_board(services, self._placing) if services else ""
 
     def _crowded(self, cache_id: str) -> bool:
         """Whether the replica of either service that holds a session's caches

@@ -13,7 +13,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import OrchestratorConfig
 from orchestrator.load_board import LoadBoard
-from orchestrator.replicas import LOAD_S, PLACED_S, Replicas, copy_id, hold, placed_id, route_key
+from orchestrator.replicas import (LOAD_S, PLACED_S, Replicas, copy_id, hold, placed_id, placed_on_board,
+                                   route_key)
 from tandem import telemetry
 from tandem.v1 import common_pb2
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
@@ -287,6 +288,35 @@ def test_orchestrators_placing_at_the_same_moment_take_different_replicas():
 
     picks = asyncio.run(scenario())
     assert all(a != b for a, b in picks), picks
+
+
+def test_one_orchestrators_sessions_placed_at_the_same_moment_spread_too():
+    """Several requests reach one orchestrator at once: its placements run one
+    at a time (placed_on_board), so each counts the one before; sent to the
+    board together, each would carry the count from before any of them, and
+    all three would take the replica that was idle."""
+    role = f"test-{uuid.uuid4().hex}"
+    mine, theirs = (Replicas(_Client, role, ADDRESSES[:2]) for _ in range(2))
+    theirs.hold(KEYS[0])  # the other orchestrator runs one request
+    busy = theirs.replica_for(KEYS[0]).address
+
+    async def scenario():
+        boards = [_board(role), _board(role)]
+        mine.share_loads(boards[0])
+        theirs.share_loads(boards[1])
+        lock = asyncio.Lock()
+        try:
+            await theirs.poll_loads()
+            keys = await asyncio.gather(*(placed_on_board([mine], lock) for _ in range(3)))
+            return [mine.replica_for(key).address for key in keys]
+        finally:
+            await boards[0].redis.delete(boards[0].key)
+            for board in boards:
+                await board.redis.aclose()
+
+    placed = asyncio.run(scenario()) + [busy]
+    assert sorted(placed.count(address) for address in ADDRESSES[:2]) == [2, 2], placed
+    assert placed_id([]) == "" and asyncio.run(placed_on_board([], asyncio.Lock())) == ""
 
 
 def test_without_redis_a_placement_falls_back_to_the_last_reading_at_once():
