@@ -220,7 +220,7 @@ def main(argv=None) -> int:
           f"busier target's mean share, each side")
     for c in clients:
         a, b = result["modes"][first][str(c)], result["modes"][reference][str(c)]
-        print(f"{c:>7} {a['tok_s']:18.2f} {b['tok_s']:18.2f}  {cut(result['over_reference'][str(c)]):10.2f}x"
+        print(f"{c:>7} {cut(a['tok_s']):18.2f} {cut(b['tok_s']):18.2f}  {cut(result['over_reference'][str(c)]):10.2f}x"
               f"  {a['target_calls']} {cut(a['busier_share_mean']):.2f}; {b['target_calls']} "
               f"{cut(b['busier_share_mean']):.2f}")
     if args.compare == "load":
