@@ -3,8 +3,8 @@
 Each orchestrator places new sessions on the least busy model replicas
 (orchestrator.replicas). It knows its own sessions there exactly; the others'
 it reads here. Every LOAD_S each orchestrator writes, in one hash per service
-role, its own count per replica address (the sessions with a call in flight
-there, or placed there and about to call), stamped with Redis's clock, and
+role, its own count per replica address (its sessions whose request runs
+there, or placed there and about to start), stamped with Redis's clock, and
 reads back every other orchestrator's. An entry older than its stale_s
 (that orchestrator stopped, or lost Redis) counts no more and is dropped.
 

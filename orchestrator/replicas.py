@@ -58,8 +58,8 @@ SEPARATOR = "~"  # in a copy's cache id, before the route key it shares with its
 DOWN_S = 5.0  # how long a replica that did not answer takes no calls
 PLACED_S = 5.0  # a new session counts on its replica this long before its first call
 REFRESH_S = 10.0  # how often a DNS name's addresses are looked up again
-PLACE_WAIT_S = 0.25  # how long a new session's placement waits for a fresh reading of the board
-LOAD_S = 1.0  # how often each replica's load is asked for; a report older than 3 x LOAD_S is not used
+PLACE_WAIT_S = 0.25  # how long a new session's placement waits for the board's choice
+LOAD_S = 1.0  # how often the loads are shared on the board; a reading older than 3 x LOAD_S is not used
 
 
 def route_key(cache_id: str) -> str:
@@ -486,8 +486,8 @@ def placed_id(services: list[Replicas], wanted: list | None = None, tries: int =
 
 def service_client(value: str, make: Callable[[str], object], role: str, load_s: float = LOAD_S):
     """The client of a service given as one address (its own client), several
-    comma-separated, or a DNS name (dns:///NAME:PORT): Replicas, which ask
-    for their loads every load_s (0: never)."""
+    comma-separated, or a DNS name (dns:///NAME:PORT): Replicas, which share
+    their loads every load_s once given a board (0: never)."""
     if value.startswith(DNS_PREFIX):
         return Replicas(make, role, dns=dns_target(value), load_s=load_s)
     addresses = split_addresses(value)
