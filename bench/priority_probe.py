@@ -9,7 +9,10 @@ rotating from pass to pass.
 For each side it records the foreground's time to its first token, its
 wall time and tokens per second, the background's tokens per second over
 the same window, and whether the foreground's tokens are the same on both
-sides (priorities order calls, they change no token).
+sides (priorities order calls, they change no token). Over the same window
+it also reads each model service's GetStats: its busy share of the time
+(busy_ms) and its calls per token streamed, foreground and background
+together: where the time goes when one request jumps the queues.
 
     python -m bench.priority_probe                       # 3 background clients, 4 passes
     python -m bench.priority_probe --background 5 --reps 6
@@ -24,9 +27,12 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+
 from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
 from tandem.client import TandemClient
 from tandem.redis_local import ensure_redis
+from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger("bench.priority_probe")
 SIDES = {"urgent": -1, "same_as_background": 5}  # the foreground's priority; the reference last
@@ -68,40 +74,63 @@ def _foreground(address: str, prompt: str, new_tokens: int, priority: int) -> di
     return {"ttft_s": first, "wall_s": wall, "tok_s": len(ids) / wall, "token_ids": ids}
 
 
-def one_pass(address: str, prompt: str, background: int, new_tokens: int, foreground_tokens: int,
+def _service_counts(deployment) -> dict[str, tuple[int, int]]:
+    """Each model service's (busy_ms, calls), from its GetStats."""
+    counts = {}
+    for role, service, stub in (("target", deployment.target, target_pb2_grpc.TargetServiceStub),
+                                ("draft", deployment.draft, draft_pb2_grpc.DraftServiceStub)):
+        with grpc.insecure_channel(service.address) as channel:
+            stats = stub(channel).GetStats(common_pb2.GetStatsRequest(), timeout=30)
+        counts[role] = (stats.busy_ms, stats.calls)
+    return counts
+
+
+def one_pass(deployment, prompt: str, background: int, new_tokens: int, foreground_tokens: int,
              priority: int, settle_s: float) -> dict:
     """The foreground request at `priority` while the background runs."""
+    address = deployment.address
     stop, tokens = threading.Event(), [0] * background
     threads = _background(address, background, new_tokens, stop, tokens)
     time.sleep(settle_s)  # every background client has a request under way
+    counts = _service_counts(deployment)
     before, start = sum(tokens), time.perf_counter()
     run = _foreground(address, prompt, foreground_tokens, priority)
     window = time.perf_counter() - start
-    run["background_tok_s"] = (sum(tokens) - before) / window  # all background streams, over the window
+    background_tokens = sum(tokens) - before
+    after = _service_counts(deployment)
+    run["background_tok_s"] = background_tokens / window  # all background streams, over the window
+    streamed = background_tokens + len(run["token_ids"])
+    for role, (busy_ms, calls) in after.items():
+        run[f"{role}_busy_share"] = (busy_ms - counts[role][0]) / 1e3 / window
+        run[f"{role}_calls_per_token"] = (calls - counts[role][1]) / max(streamed, 1)
     stop.set()
     for thread in threads:
         thread.join()
     return run
 
 
-def run(address: str, prompt: str, background: int, new_tokens: int, foreground_tokens: int, reps: int,
+def run(deployment, prompt: str, background: int, new_tokens: int, foreground_tokens: int, reps: int,
         settle_s: float) -> dict:
     sides = list(SIDES)
     rows = {side: [] for side in sides}
-    _foreground(address, prompt, 8, 0)  # warm-up
+    _foreground(deployment.address, prompt, 8, 0)  # warm-up
     for rep in range(reps):
         turn = rep % len(sides)
         for side in sides[turn:] + sides[:turn]:
-            row = one_pass(address, prompt, background, new_tokens, foreground_tokens, SIDES[side], settle_s)
+            row = one_pass(deployment, prompt, background, new_tokens, foreground_tokens, SIDES[side], settle_s)
             rows[side].append({"rep": rep, **row})
-            log.info("%s (priority %d): first token %.2f s, %.2f s, %.2f tok/s; background %.2f tok/s",
-                     side, SIDES[side], row["ttft_s"], row["wall_s"], row["tok_s"], row["background_tok_s"])
+            log.info("%s (priority %d): first token %.2f s, %.2f s, %.2f tok/s; background %.2f tok/s; busy: "
+                     "target %.2f, draft %.2f; calls a token: target %.3f, draft %.3f", side, SIDES[side],
+                     row["ttft_s"], row["wall_s"], row["tok_s"], row["background_tok_s"], row["target_busy_share"],
+                     row["draft_busy_share"], row["target_calls_per_token"], row["draft_calls_per_token"])
     summary = {side: {
         "priority": SIDES[side],
         "median_ttft_s": statistics.median(r["ttft_s"] for r in rows[side]),
         "median_wall_s": statistics.median(r["wall_s"] for r in rows[side]),
         "tok_s": sum(len(r["token_ids"]) for r in rows[side]) / sum(r["wall_s"] for r in rows[side]),
         "background_tok_s": statistics.median(r["background_tok_s"] for r in rows[side]),
+        **{f"median_{key}": statistics.median(r[key] for r in rows[side])
+           for key in ("target_busy_share", "draft_busy_share", "target_calls_per_token", "draft_calls_per_token")},
     } for side in sides}
     reference = sides[-1]
     return {
@@ -141,7 +170,7 @@ def main(argv=None) -> int:
     deployment = pair_deployment(args, ["--redis-url", ensure_redis(), "--prefix-cache", "0",
                                         "--scheduling-policy", "priority"])
     with deployment:
-        result = run(deployment.address, PROMPTS[args.prompt], args.background, args.new_tokens,
+        result = run(deployment, PROMPTS[args.prompt], args.background, args.new_tokens,
                      args.foreground_tokens, args.reps, args.settle)
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, background=args.background,
                   background_priority=BACKGROUND_PRIORITY, new_tokens=args.new_tokens,
@@ -152,6 +181,11 @@ def main(argv=None) -> int:
     for side, mode in result["modes"].items():
         print(f"{side:>20} {mode['priority']:>8} {mode['median_ttft_s']:14.2f} {mode['median_wall_s']:8.2f} "
               f"{mode['tok_s']:7.2f} {mode['background_tok_s']:17.2f}")
+    print(f"{'foreground':>20} {'target busy':>11} {'draft busy':>10} {'target calls/token':>18} "
+          f"{'draft calls/token':>17}   (medians, over the foreground's window)")
+    for side, mode in result["modes"].items():
+        print(f"{side:>20} {cut(mode['median_target_busy_share']):11.2f} {cut(mode['median_draft_busy_share']):10.2f} "
+              f"{mode['median_target_calls_per_token']:18.3f} {mode['median_draft_calls_per_token']:17.3f}")
     ratio = result["urgent_over_reference"]
     print(f"urgent over same-as-background (cut): {cut(ratio['tok_s']):.2f}x tok/s, "
           f"{cut(ratio['median_wall_s']):.2f}x shorter wall, {cut(ratio['median_ttft_s']):.2f}x sooner first token")

@@ -217,6 +217,7 @@ class ModelServiceBase:
             calls=self.calls,
             queue_depth=self.worker.queue_depth,
             active_sessions=self.active_sessions(),
+            busy_ms=int(self.worker.busy_s * 1e3),
             forks=counters.forks,
             verify_batches=0,
             batched_verifies=0,

@@ -11,6 +11,7 @@ import math
 import queue
 import signal
 import threading
+import time
 import weakref
 from typing import Callable, Iterable, TypeVar
 
@@ -168,7 +169,9 @@ class ModelWorker:
         self._closed = False
         # The thread holds the queue, not the worker: a worker no longer used is
         # collected, and its thread then ends (as a ThreadPoolExecutor's does).
-        self._thread = threading.Thread(target=_serve, args=(self._queue,), name=f"{name}_0", daemon=True)
+        self._busy = [0.0]  # seconds spent running calls, on the thread or inline; the thread adds to it
+        self._thread = threading.Thread(target=_serve, args=(self._queue, self._busy), name=f"{name}_0",
+                                        daemon=True)
         self._thread.start()
         weakref.finalize(self, self._queue.put, (math.inf, -1, None))
         self.inline = inline
@@ -201,7 +204,11 @@ class ModelWorker:
             # Nothing is queued or running on the thread (queue_depth drops only
             # once a call has returned), and nothing else runs on the loop meanwhile.
             self.inline_calls += 1
-            return fn(*args)
+            started = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._busy[0] += time.perf_counter() - started
         job = self.submit(fn, *args, priority=priority)
         # A call counts in queue_depth until its function has run, or was
         # cancelled before it started: a cancelled call that is running still
@@ -216,6 +223,11 @@ class ModelWorker:
             if cancelled is not None:
                 cancelled.set()
             raise
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent running calls so far, on the thread or inline."""
+        return self._busy[0]
 
     def _left(self, _job=None) -> None:
         with self._depth_lock:
@@ -234,10 +246,11 @@ class ModelWorker:
         self._queue.put((math.inf, next(self._arrivals), None))
 
 
-def _serve(jobs: queue.PriorityQueue) -> None:
-    """A ModelWorker's thread: runs its jobs until shutdown (a job None). A
-    job's references are dropped once it has run, so that what it held (a
-    service, its caches) is not kept alive by a thread that waits."""
+def _serve(jobs: queue.PriorityQueue, busy: list[float]) -> None:
+    """A ModelWorker's thread: runs its jobs until shutdown (a job None),
+    adding the seconds each ran to busy[0]. A job's references are dropped
+    once it has run, so that what it held (a service, its caches) is not kept
+    alive by a thread that waits."""
     while True:
         _, _, job = jobs.get()
         if job is None:
@@ -245,11 +258,14 @@ def _serve(jobs: queue.PriorityQueue) -> None:
         future, fn, args = job
         del job
         if future.set_running_or_notify_cancel():  # else cancelled before it started
+            started = time.perf_counter()
             try:
                 result = fn(*args)
             except BaseException as err:  # noqa: BLE001 (the caller gets it)
+                busy[0] += time.perf_counter() - started
                 future.set_exception(err)
             else:
+                busy[0] += time.perf_counter() - started
                 future.set_result(result)
                 del result
         del future, fn, args

@@ -56,6 +56,7 @@ _SERVICE_COUNTERS = [
     ("tandem.session_cache.evictions", "evictions", "{session}", "sessions evicted for the budget or the TTL"),
     ("tandem.service.prefill_tokens", "prefill_tokens", "{token}", "tokens prefilled: prompts, new turns, re-syncs"),
     ("tandem.service.calls", "calls", "{call}", "Propose or Verify calls run on the model worker"),
+    ("tandem.worker.busy", "busy_ms", "ms", "time the model worker spent running calls (its busy share, as a rate)"),
     ("tandem.session_cache.forks", "forks", "{session}", "sessions made by copying a prefix of another (ForkSession)"),
     ("tandem.verify.batches", "verify_batches", "{forward}",
      "target forwards that verified queued calls together (--batch-verifies)"),

@@ -187,7 +187,7 @@ def test_metrics_port_serves_prometheus_text(same_cluster):
                  "tandem_inter_token_latency_seconds_bucket", "tandem_verify_compute_seconds_bucket",
                  "tandem_draft_step_seconds_bucket", "tandem_round_overhead_seconds_bucket",
                  "tandem_session_cache_hits_total", "tandem_session_cache_misses_total",
-                 "tandem_session_cache_evictions_total", "tandem_worker_queue_depth", "tandem_sessions_active",
+                 "tandem_session_cache_evictions_total", "tandem_worker_queue_depth", "tandem_sessions_active", "tandem_worker_busy_",
                  "tandem_session_cache_forks_total", "tandem_verify_batches_total", "tandem_verify_batched_total",
                  'service_name="tandem-orchestrator"'):
         assert name in text
