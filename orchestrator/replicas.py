@@ -184,19 +184,31 @@ class Replicas:
         except Exception as err:  # noqa: BLE001 (a missed poll costs only freshness)
             log.debug("%s replicas: the load board did not answer (%s)", self.role, err)
             return
+        self._read(others)
+
+    @property
+    def stale_s(self) -> float:
+        """How old a reading of the board (or an entry on it) may be and still count."""
+        return 3 * (self.load_s or LOAD_S)
+
+    def _read(self, others: dict[str, int]) -> None:
+        """The other orchestrators' sessions per replica, as just read from the board."""
         read = self.clock()
         for replica in self.replicas:
             replica.others, replica.others_at = others.get(replica.address, 0), read
+
+    def _others(self, replica: Replica) -> int:
+        """The other orchestrators' sessions on the replica, while the reading is fresh."""
+        return replica.others if self.clock() - replica.others_at <= self.stale_s else 0
 
     def loads(self) -> dict[str, tuple[int, int]]:
         """Each replica's address: (this orchestrator's sessions there, every
         orchestrator's as placement counts them). Read by the metrics from their
         own thread: it changes nothing."""
-        fresh_since = self.clock() - 3 * (self.load_s or LOAD_S)
         loads = {}
         for replica in list(self.replicas):
-            own = len(replica.held.keys() | replica.running.keys() | replica.placed.keys())
-            loads[replica.address] = (own, own + (replica.others if replica.others_at >= fresh_since else 0))
+            own = _sessions(replica)
+            loads[replica.address] = (own, own + self._others(replica))
         return loads
 
     @property
@@ -220,9 +232,7 @@ class Replicas:
         except Exception as err:  # noqa: BLE001 (placed by the last reading instead)
             log.debug("%s replicas: no placement from the load board (%s)", self.role, err)
             return None
-        read = self.clock()
-        for replica in self.replicas:
-            replica.others, replica.others_at = others.get(replica.address, 0), read
+        self._read(others)
         return [replica for replica in usable if replica.address == chosen] or None
 
     async def _poll_loads_forever(self) -> None:
@@ -258,7 +268,7 @@ class Replicas:
         since = self.clock() - PLACED_S
         for key in [key for key, at in replica.placed.items() if at < since]:
             del replica.placed[key]
-        return len(replica.held.keys() | replica.running.keys() | replica.placed.keys())
+        return _sessions(replica)
 
     # A request counts on its session's replica from start to end (between two
     # of its calls to this service, none is in flight: the other service works).
@@ -289,8 +299,7 @@ class Replicas:
         """The replica's load in sessions: this orchestrator's, and the other
         orchestrators' as last read from the board, while that is fresh
         (3 x load_s)."""
-        fresh = self.clock() - replica.others_at <= 3 * (self.load_s or LOAD_S)
-        return self.own(replica) + (replica.others if fresh else 0)
+        return self.own(replica) + self._others(replica)
 
     def least_busy(self) -> list[Replica]:
         """The usable replicas with the fewest active sessions."""
@@ -430,6 +439,12 @@ class Replicas:
                 await asyncio.wait_for(self.board.leave(), 1.0)
             except Exception as err:  # noqa: BLE001 (its entry goes stale in 3 x load_s anyway)
                 log.debug("%s replicas: could not leave the load board (%s)", self.role, err)
+
+
+def _sessions(replica: Replica) -> int:
+    """This orchestrator's sessions on the replica, as its dicts stand: held,
+    with a call in flight, or placed (Replicas.own prunes the placed first)."""
+    return len(replica.held.keys() | replica.running.keys() | replica.placed.keys())
 
 
 def hold(clients, cache_id: str) -> Callable[[], None]:

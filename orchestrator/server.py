@@ -17,7 +17,7 @@ from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
 from orchestrator.load_board import LoadBoard
-from orchestrator.replicas import LOAD_S, Replicas, placed_on_board, service_client
+from orchestrator.replicas import Replicas, placed_on_board, service_client
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.stored_responses import ItemStore, ResponseStore, StoredRpcs
@@ -57,7 +57,7 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         self.responses = ResponseStore(self.store.redis, config.response_ttl_s)  # StoredRpcs'
         for client in (self.proposer, self.verifier):  # the orchestrator replicas' sessions on each model replica
             if isinstance(client, Replicas):
-                client.share_loads(LoadBoard(self.store.redis, client.role, 3 * (config.replica_load_s or LOAD_S)))
+                client.share_loads(LoadBoard(self.store.redis, client.role, client.stale_s))
         self.items = ItemStore(self.responses)
         self.quotas = TenantQuotas(self.store.redis, config.quotas) if config.quotas.enabled else None
         self.api_keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
