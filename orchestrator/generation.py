@@ -16,7 +16,7 @@ from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCost
 from orchestrator.replicas import hold
 from orchestrator.rounds import Committed, RoundStats, ServiceView
 from orchestrator.store import SessionRecord, SessionStore
-from orchestrator.text import Detokenizer, cut_at_stop, find_stop, reasoning_tokens
+from orchestrator.text import Detokenizer, cut_at_stop, first_stop, reasoning_tokens
 from tandem import telemetry
 from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling import SamplingParams
@@ -217,13 +217,14 @@ class Generation:
         streamed = ""  # the completion's text sent so far
         completion: list[int] = []
         finish = tandem_pb2.FINISH_REASON_UNSPECIFIED
+        stopped_by: str | int | None = None  # the stop string or stop token that ended it (vLLM's stop_reason)
         first_token_ms = 0.0
         room = self.config.max_context - len(record.tokens)
         rounds = decoder.rounds()
         unhold = hold((self.proposer, self.verifier), record.cache_id)  # the request counts on its replicas
         try:
             async for newly in rounds:
-                keep, finish = self._cut(newly, completion, params, room, eos)
+                keep, finish, stopped_by = self._cut(newly, completion, params, room, eos)
                 if keep:
                     await self.store.append_tokens(record, keep)
                     completion.extend(keep)
@@ -274,6 +275,8 @@ class Generation:
             reasoning = reasoning_tokens(completion, detok.decode, params.reasoning_end, params.reasoning_start)
         yield tandem_pb2.GenerateEvent(final=tandem_pb2.Completion(
             finish_reason=finish,
+            **({"stop_string": stopped_by} if isinstance(stopped_by, str)
+               else {"stop_token_id": stopped_by} if stopped_by is not None else {}),
             usage=tandem_pb2.Usage(prompt_tokens=cached + len(turn), completion_tokens=len(completion),
                                    cached_prompt_tokens=cached, reasoning_tokens=reasoning),
             session_id=record.session_id,
@@ -335,8 +338,9 @@ class Generation:
         return frozenset() if params.ignore_eos else frozenset(self.eos_ids)
 
     def _cut(self, newly, completion, params, room, eos: frozenset[int]):
-        """The part of a round's tokens to commit, and the finish reason it
-        causes; `eos`: the request's end-of-sequence tokens."""
+        """The part of a round's tokens to commit, the finish reason it causes,
+        and for FINISH_REASON_STOP what caused it: the stop string or the stop
+        token id. `eos`: the request's end-of-sequence tokens."""
         limit = min(params.max_tokens, room) - len(completion)
         at_limit = tandem_pb2.FINISH_REASON_LENGTH if params.max_tokens <= room else tandem_pb2.FINISH_REASON_CONTEXT
         # A stop string ending at a new token lies within its last tokens: a token
@@ -345,17 +349,18 @@ class Generation:
         window = 4 * max((len(stop) for stop in params.stop), default=0) + 8
         for i, token in enumerate(newly[:limit]):
             if token in eos:
-                return newly[: i + 1], tandem_pb2.FINISH_REASON_EOS
+                return newly[: i + 1], tandem_pb2.FINISH_REASON_EOS, None
             if token in params.stop_token_ids:
-                return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP
+                return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP, token
             if params.stop and self.tokenizer is not None:
                 tail = (completion + newly[: i + 1])[-window:]
                 text = self.tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
-                if find_stop(text, list(params.stop)) >= 0:
-                    return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP
+                hit = first_stop(text, params.stop)
+                if hit is not None:
+                    return newly[: i + 1], tandem_pb2.FINISH_REASON_STOP, hit[1]
         if len(newly) >= limit:
-            return newly[:limit], at_limit
-        return newly, tandem_pb2.FINISH_REASON_UNSPECIFIED
+            return newly[:limit], at_limit, None
+        return newly, tandem_pb2.FINISH_REASON_UNSPECIFIED, None
 
 
 class RequestMetrics:

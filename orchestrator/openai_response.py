@@ -188,7 +188,7 @@ def response(call: Call, model: str, answers: list[Answer], request_id: str | No
             text = _echo_text(call, index, answer.prompt) + text
             logprobs = _prompt_logprobs(answer.prompt) + list(logprobs)
         choice = {"index": index, "finish_reason": _finish_reason(call, answer.final),
-                  "logprobs": _choice_logprobs(call, logprobs)}
+                  "stop_reason": _stop_reason(call, answer.final), "logprobs": _choice_logprobs(call, logprobs)}
         if call.chat:
             reasoning = None
             if call.reasoning_parser is not None:  # the content is what follows the reasoning, or None
@@ -238,6 +238,14 @@ def _prompt_fields(call: Call, prompt: tandem_pb2.PromptEcho | None) -> dict:
 
 def _finish_reason(call: Call, final: tandem_pb2.Completion) -> str:
     return "length" if call.prompt_only else FINISH_REASONS.get(final.finish_reason, "stop")
+
+
+def _stop_reason(call: Call, final: tandem_pb2.Completion) -> str | int | None:
+    """vLLM's stop_reason: the stop string or the stop_token_ids token that
+    ended the choice; None where something else did (an end-of-sequence token,
+    max_tokens)."""
+    which = None if call.prompt_only else final.WhichOneof("stop_reason")
+    return getattr(final, which) if which else None
 
 
 def _tools_finish_reason(call: Call, reason: str) -> str:
@@ -467,6 +475,7 @@ class Chunks:
         ids, logprobs = self._held.pop(index, ([], []))
         closing = self._choice(index, None if self.call.tool_name is not None else "" if self.call.chat else None,
                                ids, reason, logprobs or None)
+        closing["stop_reason"] = _stop_reason(self.call, final)
         return [*chunks, self._chunk([closing], tandem=speculation(final))]
 
     def usage(self, finals: list[tandem_pb2.Completion]) -> dict:

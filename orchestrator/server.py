@@ -33,7 +33,9 @@ PAIR_POLL_S = 2.0  # then, how often to ask it again
 
 
 class PairingError(RuntimeError):
-    pass
+    """The services, the tokenizer or the chat template do not go together;
+    the message says which, so start-up prints it as it is."""
+    for_people = True
 
 
 class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):

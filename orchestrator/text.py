@@ -73,15 +73,23 @@ def find_stop(text: str, stops: list[str], search_from: int = 0) -> int:
     return min(hits) if hits else -1
 
 
+def first_stop(text: str, stops) -> tuple[int, str] | None:
+    """Where the earliest stop string in text begins, and which one (of two
+    that begin there, the shorter: it ended first), or None."""
+    at = find_stop(text, list(stops))
+    if at < 0:
+        return None
+    return at, min((s for s in stops if s and text.startswith(s, at)), key=len)
+
+
 def cut_at_stop(text: str, stops, include: bool = False) -> str:
     """text up to the earliest stop string (include: through its end; of two
     that begin there, the shorter), or all of it if none is in it."""
-    at = find_stop(text, list(stops))
-    if at < 0:
+    hit = first_stop(text, stops)
+    if hit is None:
         return text
-    if include:
-        at += min(len(s) for s in stops if s and text.startswith(s, at))
-    return text[:at]
+    at, stop = hit
+    return text[:at + len(stop)] if include else text[:at]
 
 
 class ChatTemplate:

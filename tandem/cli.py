@@ -197,6 +197,8 @@ def _words(err: Exception) -> str:
     """An exception as one line for a person: its message, and its type where
     the message alone would not say what failed."""
     text = str(err).strip() or type(err).__name__
+    if getattr(err, "for_people", False):  # its message names what failed and what to do
+        return text
     if isinstance(err, (ValueError, OSError, StartupError)) and type(err).__module__ == "builtins":
         return text
     return f"{text} ({type(err).__name__}; --log-level DEBUG shows where)"
@@ -225,7 +227,8 @@ def _print_result(result, args) -> None:
     if getattr(args, "reasoning_end", None):
         reused += f", {result.reasoning_tokens} of reasoning"
     print(
-        f"\n[{result.finish_reason}] {result.completion_tokens} tokens, {s.rounds} rounds, "
+        f"\n[{result.finish_reason}{'' if result.stop_reason is None else ' ' + repr(result.stop_reason)}] "
+        f"{result.completion_tokens} tokens, {s.rounds} rounds, "
         f"acceptance {result.acceptance_rate:.2f}, {s.total_ms / 1e3:.1f}s "
         f"({result.completion_tokens / max(s.total_ms / 1e3, 1e-9):.1f} tok/s){reused}",
         file=sys.stderr,

@@ -24,6 +24,7 @@ class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    stop_reason: str | int | None = None  # finish_reason "stop": the stop string or stop token id that ended it
     session_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -45,6 +46,7 @@ class Result:
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
             "session_id": self.session_id,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                       "cached_prompt_tokens": self.cached_prompt_tokens, "reasoning_tokens": self.reasoning_tokens},
@@ -183,6 +185,8 @@ def collect(events, on_delta=None) -> Result:
         else:
             final = event.final
             result.finish_reason = FINISH_REASONS.get(final.finish_reason, "unspecified")
+            which = final.WhichOneof("stop_reason")
+            result.stop_reason = getattr(final, which) if which else None
             result.session_id = final.session_id
             result.prompt_tokens = final.usage.prompt_tokens
             result.completion_tokens = final.usage.completion_tokens

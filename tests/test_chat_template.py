@@ -173,3 +173,4 @@ def test_a_server_template_that_is_not_jinja_stops_the_orchestrator_at_start_up(
                               "--chat-template", value, "--draft", cluster.draft_address,
                               "--target", cluster.target_address], capture_output=True, text=True, timeout=120)
         assert run.returncode != 0 and words in run.stderr, run.stderr
+        assert "PairingError" not in run.stderr and "Traceback" not in run.stderr, run.stderr  # the reason alone

@@ -46,16 +46,19 @@ def test_eos_ends_the_request_unless_ignored_and_stop_token_ids_end_it_too(endin
     with cluster.client() as client:
         ended = client.generate(prompt_ids=PROMPT, max_tokens=N, pipeline=pipeline)
         assert (ended.finish_reason, ended.token_ids) == ("eos", expected[: eos_at + 1])
+        assert ended.stop_reason is None  # vLLM's: an end of sequence is no stop token
 
         ignored = client.generate(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, pipeline=pipeline)
-        assert (ignored.finish_reason, ignored.token_ids) == ("length", expected)
+        assert (ignored.finish_reason, ignored.token_ids, ignored.stop_reason) == ("length", expected, None)
 
+        unseen = min(set(range(127)) - set(expected[: stop_at + 1]))  # listed, never reached
         stopped = client.generate(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, pipeline=pipeline,
-                                  stop_token_ids=[expected[stop_at], 127])
+                                  stop_token_ids=[unseen, expected[stop_at], 127])
         assert (stopped.finish_reason, stopped.token_ids) == ("stop", expected[: stop_at + 1])
+        assert stopped.stop_reason == expected[stop_at]  # the token that ended it, not the first listed
         # A stop token before the end of sequence ends it first; one never produced changes nothing.
         early = client.generate(prompt_ids=PROMPT, max_tokens=N, stop_token_ids=[expected[1]], pipeline=pipeline)
-        assert (early.finish_reason, early.token_ids) == ("stop", expected[:2])
+        assert (early.finish_reason, early.token_ids, early.stop_reason) == ("stop", expected[:2], expected[1])
         # Sampled, ignore_eos still runs to max_tokens.
         sampled = client.generate(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, temperature=1.0, seed=3,
                                   pipeline=pipeline)

@@ -66,6 +66,7 @@ def test_a_greedy_completion_equals_the_target_alone_streamed_or_not(http, char_
     choice = answer.choices[0]
     assert choice.token_ids == expected
     assert choice.text == tokenizer.decode(expected) and choice.finish_reason == "length"
+    assert choice.stop_reason is None  # vLLM's: set only where a stop string or stop token ended it
     assert answer.object == "text_completion" and answer.model == "tandem-tiny"
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt_ids), 40)
     assert answer.usage.total_tokens == len(prompt_ids) + 40
@@ -94,9 +95,32 @@ def test_a_stop_string_ends_the_text_before_it_or_through_it(http, char_models):
         body = dict(model="tandem-tiny", prompt=prompt, max_tokens=40, temperature=0, stop=[stop],
                     extra_body={"include_stop_str_in_output": include})
         whole = api.completions.create(**body).choices[0]
-        assert (whole.text, whole.finish_reason) == (text, "stop")
+        assert (whole.text, whole.finish_reason, whole.stop_reason) == (text, "stop", stop)
         chunks = list(api.completions.create(**body, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        closing = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert [(c.finish_reason, c.stop_reason) for c in closing] == [("stop", stop)]
+    # vLLM's stop_reason names the stop string that ended the text: the first
+    # to begin, of two that begin there the shorter, whatever the list's order.
+    # At j, a 3-character stop and its 2-character prefix begin, and one more
+    # begins at j + 1, each there for the first time in the text.
+    j = next(j for j in range(len(full) - 4)
+             if full.find(full[j:j + 2]) == j and full.find(full[j + 1:j + 4]) == j + 1)
+    whole = api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                   stop=[full[j + 1:j + 4], full[j:j + 3], full[j:j + 2]]).choices[0]
+    assert (whole.text, whole.finish_reason, whole.stop_reason) == (full[:j], "stop", full[j:j + 2])
+    whole = api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                   stop=[full[j + 1:j + 4], full[j:j + 3]]).choices[0]
+    assert (whole.text, whole.stop_reason) == (full[:j], full[j:j + 3])
+    messages = [{"role": "user", "content": "fib"}]
+    said = api.chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=24,
+                                       temperature=0).choices[0].message.content
+    chat_stop = said[8:10]
+    for stream in (False, True):
+        answer = api.chat.completions.create(model="tandem-tiny", messages=messages, max_tokens=24, temperature=0,
+                                             stop=[chat_stop], stream=stream)
+        last = list(answer)[-1].choices[0] if stream else answer.choices[0]
+        assert (last.finish_reason, last.stop_reason) == ("stop", chat_stop)
     with pytest.raises(openai.BadRequestError) as refused:
         api.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=4,
                                extra_body={"include_stop_str_in_output": "yes"})

@@ -7,7 +7,7 @@ import pytest
 from orchestrator.backends import DraftBlock, VerifyResult
 from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome, _short_of_stop
 from orchestrator.store import SessionStore
-from orchestrator.text import cut_at_stop
+from orchestrator.text import cut_at_stop, first_stop
 from tandem.sampling import SamplingParams
 from tandem.v1 import tandem_pb2
 from tests.conftest import REDIS_URL
@@ -103,3 +103,16 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_and_holds_nothin
 ])
 def test_cut_at_stop(text, stops, include, expected):
     assert cut_at_stop(text, stops, include) == expected
+
+
+@pytest.mark.parametrize("text,stops,expected", [
+    ("abc END def", ["END"], (4, "END")),
+    ("abc END def", ["def", "END"], (4, "END")),  # the first to begin, whatever the list's order
+    ("abc END def", ["END", "EN"], (4, "EN")),  # of two that begin there, the shorter: it ended first
+    ("abc END def", ["", "xyz"], None),
+])
+def test_first_stop_is_the_one_the_text_is_cut_at(text, stops, expected):
+    assert first_stop(text, stops) == expected
+    if expected is not None:
+        at, stop = expected
+        assert cut_at_stop(text, stops) == text[:at] and cut_at_stop(text, stops, True) == text[:at + len(stop)]
