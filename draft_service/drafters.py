@@ -254,6 +254,11 @@ class ModelDrafter:
         cache.mark_fed()
         return logits
 
+    def feed(self, cache: SessionCache) -> None:
+        """Runs the cache's unfed tokens through the model: a chunk of a long
+        prefill (ModelServiceBase.prefill_ahead)."""
+        self._next_logits(cache)
+
     def _draft(self, cache: SessionCache, call: ProposeCall, cancelled: threading.Event, cropped: int,
                start: float) -> Proposal:
         block = _Block(self, cache, call, cropped, start)
@@ -334,6 +339,8 @@ class NgramModelDrafter(ModelDrafter):
     """Prompt lookup first; the model drafts when the history has no match. The
     model's KV lags behind the history while n-grams hit, and catches up in one
     forward when it is needed."""
+
+    feed = None  # no prefill ahead: the model's KV is filled only when the model drafts
 
     def __init__(self, runner: ModelRunner | LeanRunner, store: SessionCacheStore, head: ReducedHead | None = None,
                  ngram_max: int = 4, min_confidence: float = 0.0):

@@ -150,7 +150,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         else:
             self.backend += "/lean+graphs" if runner.graphs else "/lean"
         store = SessionCacheStore(runner.new_cache, budget, cache.session_ttl_s)
-        super().__init__(info, store, worker)
+        super().__init__(info, store, worker, model.chunk)
         if options.backend == "ngram+model":
             self.drafter = NgramModelDrafter(runner, store, head, options.ngram_max, options.min_confidence)
         else:
@@ -261,12 +261,18 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             else:
                 cancelled = threading.Event()
                 context.add_done_callback(lambda _: cancelled.set())
+                call, fed = await self.prefill_ahead(context, call, getattr(self.drafter, "feed", None),
+                                                     queue_place(call))
                 if self.batchable(call):
                     proposal = await self.run_batched(context, self.batcher, (call, cancelled))
                 else:
                     proposal = await self.run_checked(context, self.drafter.propose, call, cancelled,
                                                       cancelled=cancelled, rows=self._rows(call),
                                                       priority=queue_place(call))
+                if fed.tokens:
+                    proposal = replace(proposal, prefilled=proposal.prefilled + fed.tokens,
+                                       cropped=proposal.cropped + fed.cropped,
+                                       compute_ms=proposal.compute_ms + fed.compute_ms)
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:
                 telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)

@@ -118,7 +118,8 @@ def _serve(args) -> None:
             from tandem.modeling import ModelConfig
 
             model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-                                linear=args.linear, inline_compute=args.inline_compute)
+                                linear=args.linear, inline_compute=args.inline_compute,
+                                prefill_chunk=args.prefill_chunk)
             cache = CacheConfig(budget_mb=args.cache_mb, session_ttl_s=args.session_ttl)
             if args.role == "target":
                 if args.graphs == "on" and not model.device.startswith("cuda"):

@@ -71,6 +71,11 @@ def _add_model_flags(p, default_model: str, default_port: int) -> None:
                    help="run short calls (up to 16 token rows: draft steps, a verify; not a prefill or a pre-draft) on the "
                         "server's event loop when the model thread is idle, saving two thread hops a call; "
                         "auto = on for a CPU model on one torch thread, and for the n-gram drafter (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=_auto_or(_int_in(0, INT32_MAX)), default=None, metavar="N|auto",
+                   help="chunked prefill: a call with more new tokens than N (a long prompt or turn) runs them N "
+                        "at a time, one model-thread call each, and other sessions' queued calls run between two "
+                        "chunks, so that a long prompt holds up their rounds for one chunk's time; 0 = a prefill "
+                        "runs whole; auto = 256 on a CPU, 2048 on a GPU (default: auto)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=default_port, help="port to bind; 0 picks one (default: %(default)s)")
     p.add_argument("--cache-mb", type=int, default=4096,

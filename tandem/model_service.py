@@ -4,17 +4,19 @@ session cache store, the model worker, request checks and the shared rpcs
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 import torch
 
-from tandem import placement, serving, telemetry
+from tandem import fingerprint, placement, serving, telemetry
 from tandem.grammar import GrammarMasks, GrammarUnavailable
 from tandem.modeling import LoadedModel
-from tandem.session_cache import SessionCacheStore
+from tandem.session_cache import SessionCache, SessionCacheStore
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,32 @@ class InvalidRequest(ValueError):
     """Bad input: answered with INVALID_ARGUMENT."""
 
 
+@dataclass(frozen=True)
+class Fed:
+    """What the chunks a call's prefill ran ahead of it did (ModelServiceBase.prefill_ahead)."""
+    tokens: int = 0  # new tokens run into the cache ahead of the call
+    cropped: int = 0  # tokens the first chunk's checkout cropped off the cache
+    compute_ms: float = 0.0  # the chunks' time on the model worker
+
+
+def feed(store: SessionCacheStore, run: Callable[[SessionCache], object], session_id: str, prefix_len: int,
+         prefix_fp: int, tokens: list[int]) -> Fed:
+    """Runs `tokens` into the session's cache after the named prefix (one
+    chunk of a long prefill; on the model worker): `run(cache)` puts the
+    cache's unfed tokens through the model. Raises CacheMiss as a call would."""
+    start = time.perf_counter()
+    cache, cropped = store.checkout(session_id, prefix_len, prefix_fp)
+    cache.append(tokens)
+    try:
+        run(cache)
+    except Exception:
+        store.release(session_id)  # a half-written cache is never reused
+        raise
+    cache.mark_fed()
+    store.enforce_budget(keep=session_id)
+    return Fed(len(tokens), cropped, (time.perf_counter() - start) * 1e3)
+
+
 class ModelServiceBase:
     """Holds the store and worker; subclasses add Propose or Verify."""
 
@@ -67,10 +95,12 @@ class ModelServiceBase:
     tree_width = 0  # ModelInfo.tree_width
     role = "model"  # "draft" or "target": names spans and labels metrics
 
-    def __init__(self, info: LoadedModel | None, store: SessionCacheStore, worker: serving.ModelWorker):
+    def __init__(self, info: LoadedModel | None, store: SessionCacheStore, worker: serving.ModelWorker,
+                 prefill_chunk: int = 0):
         self.info = info
         self.store = store
         self.worker = worker  # the thread that built the model (ModelWorker.start_up) and runs it
+        self.prefill_chunk = prefill_chunk  # ModelConfig.prefill_chunk (prefill_ahead); 0 = off
         # structured output's masks (tandem.grammar), against this model's tokenizer
         self.grammars = GrammarMasks(info.tokenizer if info is not None else None,
                                      info.vocab_size if info is not None else 0)
@@ -145,14 +175,47 @@ class ModelServiceBase:
                                                            short=rows is not None and rows <= INLINE_MAX_ROWS,
                                                            priority=priority))
 
+    async def prefill_ahead(self, context, call, run: Callable[[SessionCache], object] | None,
+                            priority: int | None = None):
+        """Chunked prefill: a call that brings more than prefill_chunk new
+        tokens (a prompt, a long new turn) has all but its last prefill_chunk
+        or fewer run into its session's cache first, one chunk a worker call
+        at the call's priority. The calls of other sessions that queue
+        meanwhile go between two chunks, so that a long prompt holds up their
+        rounds for one chunk's time, not the whole prompt's. Returns the call
+        with those tokens moved into its prefix, and what the chunks did (Fed).
+
+        Each chunk names the prefix it extends (invariant 2), so a session
+        evicted between two chunks ends in a cache miss, which the orchestrator
+        re-syncs. A call cancelled between two chunks leaves the cache holding
+        a prefix of the committed tokens, which the next call extends or crops.
+        `run` puts a cache's unfed tokens through the model (None: no chunks);
+        `priority`: the chunks' place in the worker's queue (default the call's)."""
+        chunk = self.prefill_chunk
+        tokens = call.new_tokens
+        if not chunk or run is None or len(tokens) <= chunk:
+            return call, Fed()
+        prefix_len = call.prefix_len
+        prefix_fp = call.prefix_fp if prefix_len else fingerprint.EMPTY
+        done = Fed()
+        while len(tokens) > chunk:
+            part, tokens = tokens[:chunk], tokens[chunk:]
+            fed = await self._mapped(context, self.worker.run(
+                feed, self.store, run, call.session_id, prefix_len, prefix_fp, part,
+                span=f"tandem.{self.role}.prefill", priority=call.priority if priority is None else priority),
+                count=False)
+            done = Fed(done.tokens + fed.tokens, done.cropped + fed.cropped, done.compute_ms + fed.compute_ms)
+            prefix_len, prefix_fp = prefix_len + len(part), fingerprint.extend(prefix_fp, part)
+        return dataclasses.replace(call, prefix_len=prefix_len, prefix_fp=prefix_fp, new_tokens=tokens), done
+
     async def run_batched(self, context, batcher, call):
         """As run_checked, through a tandem.batcher.CallBatcher (--batch-verifies, --batch-drafts)."""
         return await self._mapped(context, batcher.submit(call))
 
-    async def _mapped(self, context, work):
+    async def _mapped(self, context, work, count: bool = True):
         from tandem.session_cache import CacheMiss
 
-        self.calls += 1
+        self.calls += count
         self._sweep_idle()
         try:
             return await work

@@ -1,6 +1,7 @@
 """gRPC face of the target service."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -81,7 +82,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             runner = LeanRunner(info, model.device, fused=False)
             log.info("verifies run the lean forward, so that up to %d sessions' blocks share one", batch_verifies)
         store = SessionCacheStore(runner.new_cache, cache.budget_mb * 2**20, cache.session_ttl_s)
-        super().__init__(info, store, worker)
+        super().__init__(info, store, worker, model.chunk)
         self.verifier = Verifier(runner, store)
         self.batcher = (CallBatcher(worker, self.verifier.verify_batch, batch_verifies, lambda call: call.session_id,
                                     lambda call: call.priority)
@@ -167,11 +168,18 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             if span.is_recording():
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": len(call.draft_tokens)})
+            fed = None
+            if call.prompt_logprobs is None:  # a scored prompt runs in its own chunks, keeping their rows' logits
+                call, fed = await self.prefill_ahead(context, call, self.verifier.feed)
             if self.batcher is not None:
                 outcome = await self.run_batched(context, self.batcher, call)
             else:
                 outcome = await self.run_checked(context, self.verifier.verify, call, priority=call.priority,
                                                  rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
+            if fed and fed.tokens:
+                outcome = dataclasses.replace(outcome, prefilled=outcome.prefilled + fed.tokens,
+                                              cropped=outcome.cropped + fed.cropped,
+                                              compute_ms=outcome.compute_ms + fed.compute_ms)
             self.prefill_tokens += outcome.prefilled
             relay = request.relay
             if (call.draft_tokens and relay.draft_address and relay.num_tokens

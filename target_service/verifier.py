@@ -79,6 +79,12 @@ class Verifier:
             new_token_logprobs=new_token_logprobs,
         )
 
+    def feed(self, cache) -> None:
+        """Runs the cache's unfed tokens through the model, keeping the
+        logits of the last row only: a chunk of a long prefill
+        (ModelServiceBase.prefill_ahead)."""
+        self.runner.forward(cache.kv, cache.unfed(), logits_to_keep=1)
+
     def _as_tree(self, call: VerifyCall) -> bool:
         """Whether the call's alternatives are verified beside its block."""
         return bool(call.alternatives and call.draft_tokens and call.sampling.greedy and self.runner.verifies_trees

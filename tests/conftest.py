@@ -114,7 +114,8 @@ class Cluster:
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
                  target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int = 1,
-                 quotas=None, service_tls=None, orchestrator=None, target_replicas: int = 1, draft_replicas: int = 1):
+                 quotas=None, service_tls=None, orchestrator=None, target_replicas: int = 1, draft_replicas: int = 1,
+                 prefill_chunk: int = 6):
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
@@ -128,6 +129,8 @@ class Cluster:
         # servers of each service (orchestrator.replicas); self.target and
         # self.draft are the first's servicers, self.targets and self.drafts
         # all, self.target_servers and self.draft_servers their gRPC servers.
+        # prefill_chunk: the model services' (512 by default), here small, so
+        # that the end-to-end tests' prompts of a few tokens run in chunks too.
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -141,7 +144,7 @@ class Cluster:
                            tree_width=tree_width, target_graphs=target_graphs, prefix_cache=prefix_cache,
                            api_keys_file=api_keys_file, target_batch=target_batch,
                            quotas=quotas, service_tls=service_tls or {}, orchestrator=orchestrator or {},
-                           target_replicas=target_replicas, draft_replicas=draft_replicas)
+                           target_replicas=target_replicas, draft_replicas=draft_replicas, prefill_chunk=prefill_chunk)
         self.run(self._start())
 
     def run(self, coro, timeout: float = 120):
@@ -161,7 +164,8 @@ class Cluster:
         for _ in range(p["target_replicas"]):
             target, target_port, _, servicer = build_target(
                 "127.0.0.1:0", ModelConfig(p["target_dir"], device=DEVICE, dtype=p["dtype"],
-                                           linear=p["target_linear"], inline_compute=p["inline_compute"]),
+                                           linear=p["target_linear"], inline_compute=p["inline_compute"],
+                                           prefill_chunk=p["prefill_chunk"]),
                 cache, graphs=p["target_graphs"], batch_verifies=p["target_batch"],
                 tls=p["service_tls"].get("server"))
             await target.start()
@@ -171,7 +175,8 @@ class Cluster:
         for _ in range(p["draft_replicas"]):
             draft, draft_port, _, servicer = build_draft(
                 "127.0.0.1:0", ModelConfig(p["draft_dir"], device=DEVICE, dtype=p["dtype"],
-                                           inline_compute=p["inline_compute"]), cache,
+                                           inline_compute=p["inline_compute"], prefill_chunk=p["prefill_chunk"]),
+                cache,
                 p["draft_options"] or DraftOptions(), tls=p["service_tls"].get("server"))
             await draft.start()
             self.drafts.append(servicer)

@@ -79,8 +79,9 @@ def test_pipelined_equals_sequential_with_adaptive_k(random_cluster, same_cluste
 def test_short_calls_run_inline_on_the_event_loop_and_stay_exact(tiny_models, draft):
     """--inline-compute on: a call of up to 16 token rows that finds the model
     thread idle runs on the server's event loop; a prefill of more stays on
-    the thread. Greedy output is the target alone's, pipelined or not."""
-    cluster = Cluster(tiny_models["target"], tiny_models[draft], adaptive=True, inline_compute="on")
+    the thread (prefilled whole: chunks would leave a call of few rows).
+    Greedy output is the target alone's, pipelined or not."""
+    cluster = Cluster(tiny_models["target"], tiny_models[draft], adaptive=True, inline_compute="on", prefill_chunk=0)
     try:
         with cluster.client() as client:
             for prompt in PROMPTS:
