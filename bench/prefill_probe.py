@@ -14,6 +14,12 @@ are the same on both sides (chunking moves calls, it changes no token).
 
     python -m bench.prefill_probe                         # 1024-token prompt, 3 passes
     python -m bench.prefill_probe --prompt-tokens 2048 --chunk 128
+    python -m bench.prefill_probe --forward-only          # the target's prefill alone: whole and in chunks
+
+--forward-only times no deployment: the target's forward in this process (as
+its service builds it), on an empty cache, one thread, over 512, 1024 and 2048
+tokens of random ids, whole and in chunks of 512, 256 and 128: what a chunk
+costs the prompt itself.
 
 Writes bench/results/prefill_probe.json."""
 from __future__ import annotations
@@ -113,6 +119,45 @@ def run(addresses: dict[str, str], prompt: str, new_tokens: int, long_ids: list[
     }
 
 
+def forward_only(target: str, lengths=(512, 1024, 2048), chunks=(512, 256, 128)) -> dict:
+    """Seconds of the target's prefill of n random tokens, whole and in chunks."""
+    import torch
+
+    from target_service.server import target_runner
+    from tandem.modeling import ModelConfig, load
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = ModelConfig(target, threads=1)
+        runner = target_runner(load(config), config.device, "auto")
+        return {"forward_only": _time_forwards(runner, lengths, chunks), "kernel": config.kernel, "threads": 1}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_forwards(runner, lengths, chunks) -> list[dict]:
+    import torch
+
+    ids = torch.randint(0, runner.loaded.vocab_size, (max(lengths),), generator=torch.Generator().manual_seed(0))
+    ids = ids.tolist()
+
+    def seconds(total: int, chunk: int) -> float:
+        kv, start = runner.new_cache(), time.perf_counter()
+        for at in range(0, total, chunk):
+            runner.forward(kv, ids[at:min(at + chunk, total)], logits_to_keep=1)
+        return time.perf_counter() - start
+
+    seconds(64, 64)  # warm-up
+    rows = []
+    for total in lengths:
+        for chunk in (total, *(c for c in chunks if c < total)):
+            s = seconds(total, chunk)
+            rows.append({"tokens": total, "chunk": chunk, "seconds": s, "tok_s": total / s})
+            log.info("%d tokens in chunks of %d: %.2f s, %.1f tok/s", total, chunk, s, total / s)
+    return rows
+
+
 def main(argv=None) -> int:
     from tandem import default_models
     from tandem.launch import Deployment, Service
@@ -131,8 +176,18 @@ def main(argv=None) -> int:
                         help="the decoding stream's prompt (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=3, help="passes, each side once a pass (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time the target's prefill alone, whole and in chunks, in this process")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefill_probe.json", help="JSON output path")
     args = parse_args(parser, argv)
+    if args.forward_only:
+        result = {**forward_only(default_models.resolve_model(args.target)), "target": args.target,
+                  "machine": machine()}
+        write(args.out, result)
+        print(f"{'tokens':>7} {'chunk':>6} {'s':>8} {'tok/s':>8}")
+        for row in result["forward_only"]:
+            print(f"{row['tokens']:>7} {row['chunk']:>6} {cut(row['seconds']):8.2f} {cut(row['tok_s']):8.2f}")
+        return 0
     if args.reps < 1 or args.prompt_tokens < 1:
         parser.error("--reps and --prompt-tokens must be >= 1")
     long_ids = long_prompt(default_models.resolve_model(args.target), args.prompt_tokens)
@@ -152,9 +207,11 @@ def main(argv=None) -> int:
                   prompt_tokens=args.prompt_tokens, long_tokens=args.long_tokens, new_tokens=args.new_tokens,
                   prompt=args.prompt, threads=args.threads, machine=machine())
     write(args.out, result)
-    print(f"{'side':>18} {'long prompt: first token s':>27} {'decoding: longest gap s':>24} {'decoding tok/s':>15}")
+    print(f"{'side (medians, cut)':>18} {'long prompt: first token s':>27} {'decoding: longest gap s':>24} "
+          f"{'decoding tok/s':>15}")
     for side, mode in result["modes"].items():
-        print(f"{side:>18} {mode['long_ttft_s']:27.2f} {mode['decode_max_gap_s']:24.2f} {mode['decode_tok_s']:15.2f}")
+        print(f"{side:>18} {cut(mode['long_ttft_s']):27.2f} {cut(mode['decode_max_gap_s']):24.2f} "
+              f"{cut(mode['decode_tok_s']):15.2f}")
     ratio = result["whole_over_chunked"]
     print(f"whole over chunked (cut): longest gap {cut(ratio['decode_max_gap_s']):.2f}x, "
           f"long prompt's first token {cut(ratio['long_ttft_s']):.2f}x (medians)")

@@ -89,8 +89,9 @@ class ModelConfig:
     @property
     def chunk(self) -> int:
         """prefill_chunk, or auto's: 256 tokens on a CPU (where the default
-        target prefills about 66-77 tokens a second on one core of a Zen 5 VM,
-        so a chunk holds other sessions' rounds up for 3-4 s), 2048 on a GPU."""
+        target prefilled 70-75 tokens a second in such chunks on one core of a
+        Zen 5 VM, so a chunk holds other sessions' rounds up for 3.4-3.7 s),
+        2048 on a GPU (README: "--prefill-chunk")."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
         return CPU_PREFILL_CHUNK if self.device == "cpu" else GPU_PREFILL_CHUNK

@@ -217,3 +217,11 @@ def test_the_prefill_probe_runs_on_the_tiny_pair_with_the_same_tokens_on_both_si
     assert list(result["modes"]) == ["chunk 16", "chunk 0 (whole)"]
     for run in (runs[0] for runs in result["runs"].values()):
         assert run["long_ttft_s"] > 0 and run["decode_gaps_during_long"] >= 1 and run["decode_tok_s"] > 0
+
+
+def test_the_probes_forward_only_timing_covers_every_length_whole_and_in_chunks(tiny_models):
+    from bench.prefill_probe import forward_only
+
+    rows = forward_only(tiny_models["target"], lengths=(16, 32), chunks=(32, 8))["forward_only"]
+    assert [(r["tokens"], r["chunk"]) for r in rows] == [(16, 16), (16, 8), (32, 32), (32, 8)]
+    assert all(r["seconds"] > 0 and r["tok_s"] == r["tokens"] / r["seconds"] for r in rows)
