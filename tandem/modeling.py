@@ -89,8 +89,8 @@ class ModelConfig:
     @property
     def chunk(self) -> int:
         """prefill_chunk, or auto's: 256 tokens on a CPU (where the default
-        target prefilled 70-75 tokens a second in such chunks on one core of a
-        Zen 5 VM, so a chunk holds other sessions' rounds up for 3.4-3.7 s),
+        target prefilled 74-81 tokens a second in such chunks on one core of a
+        Zen 5 VM, so a chunk holds other sessions' rounds up for 3.1-3.5 s),
         2048 on a GPU (README: "--prefill-chunk")."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
