@@ -162,6 +162,12 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                                        lambda item: item[0].session_id, lambda item: queue_place(item[0]))
             log.info("greedy blocks of up to %d sessions that queue are drafted in lockstep", options.batch_drafts)
 
+    @property
+    def feeds_ahead(self) -> bool:
+        """Whether a long prefill runs in chunks: a drafter with a model whose
+        cache it fills as it goes (not the n-gram drafters)."""
+        return getattr(self.drafter, "feed", None) is not None
+
     def _call(self, request) -> ProposeCall:
         self.check_session(request)
         new_tokens = self.check_tokens(request.new_tokens, "new_tokens", self.drafter.vocab_size)

@@ -93,6 +93,7 @@ class ModelServiceBase:
 
     backend = "model"
     tree_width = 0  # ModelInfo.tree_width
+    feeds_ahead = True  # whether a long prefill runs in chunks (prefill_ahead), where prefill_chunk is set
     role = "model"  # "draft" or "target": names spans and labels metrics
 
     def __init__(self, info: LoadedModel | None, store: SessionCacheStore, worker: serving.ModelWorker,
@@ -240,6 +241,7 @@ class ModelServiceBase:
             cpus=placement.cpus(),
             threads=torch.get_num_threads(),
             tree_width=self.tree_width,
+            prefill_chunk=self.prefill_chunk if self.feeds_ahead else 0,
         )
 
     def _param_attr(self, name: str, default: str) -> str:

@@ -82,6 +82,7 @@ def test_another_sessions_verify_runs_between_two_chunks_of_a_long_prefill(tiny_
             gate.set()
             replies = await asyncio.gather(long, short)
             stats = await stub.GetStats(common_pb2.GetStatsRequest())
+            assert (await stub.GetModelInfo(common_pb2.GetModelInfoRequest())).prefill_chunk == chunk
             return seen, replies, stats
         finally:
             await channel.close()
@@ -152,6 +153,7 @@ def test_a_drafts_long_prefill_runs_in_chunks_and_drafts_what_it_drafts_whole(ti
         try:
             seen = _log_checkouts(servicer)
             stub = draft_pb2_grpc.DraftServiceStub(channel)
+            assert (await stub.GetModelInfo(common_pb2.GetModelInfoRequest())).prefill_chunk == chunk
             reply = await stub.Propose(draft_pb2.ProposeRequest(
                 session_id="d", new_tokens=PROMPT, num_tokens=4, prefix=common_pb2.PrefixRef(length=0)))
             return seen, reply
@@ -165,6 +167,15 @@ def test_a_drafts_long_prefill_runs_in_chunks_and_drafts_what_it_drafts_whole(ti
     assert whole_seen == [("d", 0)]
     assert list(chunked.tokens) == list(whole.tokens) and len(whole.tokens) == 4
     assert chunked.prefilled_tokens == whole.prefilled_tokens == len(PROMPT)
+
+
+def test_the_ngram_drafters_do_not_chunk_and_say_so(tiny_models):
+    from draft_service.server import DraftOptions, DraftServicer
+
+    for backend in ("ngram", "ngram+model"):
+        servicer = DraftServicer(ModelConfig(tiny_models["other"], dtype="float32", prefill_chunk=CHUNK),
+                                 CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions(backend=backend, quantize="none"))
+        assert not servicer.feeds_ahead and servicer.model_info().prefill_chunk == 0
 
 
 def test_end_to_end_a_long_prompt_in_chunks_equals_the_target_alone(tiny_models):
