@@ -108,6 +108,7 @@ class ModelServiceBase:
         log.info("%s: calls of up to %d token rows run %s", self.role, INLINE_MAX_ROWS,
                  "on the event loop when the model thread is idle" if worker.inline else "on the model thread")
         self.prefill_tokens = 0
+        self.prefill_chunks = 0  # run ahead of their calls (prefill_ahead)
         self.calls = 0
         self._last_call: dict[str, float] = {}  # session id -> when its last call came (active_sessions)
         self.draining = asyncio.Event()  # set on SIGTERM: streams end once their calls are answered
@@ -205,6 +206,7 @@ class ModelServiceBase:
                 feed, self.store, run, call.session_id, prefix_len, prefix_fp, part,
                 span=f"tandem.{self.role}.prefill", priority=call.priority if priority is None else priority),
                 count=False)
+            self.prefill_chunks += 1
             done = Fed(done.tokens + fed.tokens, done.cropped + fed.cropped, done.compute_ms + fed.compute_ms)
             prefix_len, prefix_fp = prefix_len + len(part), fingerprint.extend(prefix_fp, part)
         return dataclasses.replace(call, prefix_len=prefix_len, prefix_fp=prefix_fp, new_tokens=tokens), done
@@ -284,6 +286,7 @@ class ModelServiceBase:
             active_sessions=self.active_sessions(),
             busy_ms=int(self.worker.busy_s * 1e3),
             forks=counters.forks,
+            prefill_chunks=self.prefill_chunks,
             verify_batches=0,
             batched_verifies=0,
             draft_batches=0,

@@ -58,6 +58,8 @@ _SERVICE_COUNTERS = [
     ("tandem.service.calls", "calls", "{call}", "Propose or Verify calls run on the model worker"),
     ("tandem.worker.busy", "busy_ms", "ms", "time the model worker spent running calls (its busy share, as a rate)"),
     ("tandem.session_cache.forks", "forks", "{session}", "sessions made by copying a prefix of another (ForkSession)"),
+    ("tandem.service.prefill_chunks", "prefill_chunks", "{chunk}",
+     "chunks of long prefills run ahead of their calls, other calls between them (--prefill-chunk)"),
     ("tandem.verify.batches", "verify_batches", "{forward}",
      "target forwards that verified queued calls together (--batch-verifies)"),
     ("tandem.verify.batched", "batched_verifies", "{call}", "verify calls those forwards held"),

@@ -92,10 +92,11 @@ def test_another_sessions_verify_runs_between_two_chunks_of_a_long_prefill(tiny_
     # The first chunk was queued first; the short call next; then the rest.
     assert seen == [("long", 0), ("short", 0), ("long", 6), ("long", 12), ("long", 18), ("long", 24)]
     assert long.prefilled_tokens == len(PROMPT) and stats.prefill_tokens == len(PROMPT) + 3
-    assert stats.calls == 2  # the chunks are not calls of their own
+    assert stats.calls == 2 and stats.prefill_chunks == 4  # the chunks are not calls of their own
 
-    whole_seen, (whole, _), _ = asyncio.run(run(0))  # chunking off: the long prefill runs in one call, first
+    whole_seen, (whole, _), whole_stats = asyncio.run(run(0))  # chunking off: the long prefill runs in one call, first
     assert whole_seen == [("long", 0), ("short", 0)]
+    assert whole_stats.prefill_chunks == 0
     assert (long.accepted, long.next_token) == (whole.accepted, whole.next_token)  # the same verdict
     assert long.prefilled_tokens == whole.prefilled_tokens
 
