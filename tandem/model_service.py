@@ -68,24 +68,26 @@ class Fed:
     tokens: int = 0  # new tokens run into the cache ahead of the call
     cropped: int = 0  # tokens the first chunk's checkout cropped off the cache
     compute_ms: float = 0.0  # the chunks' time on the model worker
+    scores: tuple = ()  # what a scoring run returned, chunk after chunk (the target's prompt_logprobs)
 
 
 def feed(store: SessionCacheStore, run: Callable[[SessionCache], object], session_id: str, prefix_len: int,
          prefix_fp: int, tokens: list[int]) -> Fed:
     """Runs `tokens` into the session's cache after the named prefix (one
     chunk of a long prefill; on the model worker): `run(cache)` puts the
-    cache's unfed tokens through the model. Raises CacheMiss as a call would."""
+    cache's unfed tokens through the model, and what it returns, if anything,
+    are the chunk's scores. Raises CacheMiss as a call would."""
     start = time.perf_counter()
     cache, cropped = store.checkout(session_id, prefix_len, prefix_fp)
     cache.append(tokens)
     try:
-        run(cache)
+        scores = run(cache)
     except Exception:
         store.release(session_id)  # a half-written cache is never reused
         raise
     cache.mark_fed()
     store.enforce_budget(keep=session_id)
-    return Fed(len(tokens), cropped, (time.perf_counter() - start) * 1e3)
+    return Fed(len(tokens), cropped, (time.perf_counter() - start) * 1e3, tuple(scores or ()))
 
 
 class ModelServiceBase:
@@ -178,7 +180,7 @@ class ModelServiceBase:
                                                            priority=priority))
 
     async def prefill_ahead(self, context, call, run: Callable[[SessionCache], object] | None,
-                            priority: int | None = None):
+                            priority: int | None = None, chunk: int | None = None):
         """Chunked prefill: a call that brings more than prefill_chunk new
         tokens (a prompt, a long new turn) has all but its last prefill_chunk
         or fewer run into its session's cache first, one chunk a worker call
@@ -192,8 +194,9 @@ class ModelServiceBase:
         re-syncs. A call cancelled between two chunks leaves the cache holding
         a prefix of the committed tokens, which the next call extends or crops.
         `run` puts a cache's unfed tokens through the model (None: no chunks);
-        `priority`: the chunks' place in the worker's queue (default the call's)."""
-        chunk = self.prefill_chunk
+        `priority`: the chunks' place in the worker's queue (default the call's);
+        `chunk`: the tokens a chunk (default prefill_chunk)."""
+        chunk = self.prefill_chunk if chunk is None else chunk
         tokens = call.new_tokens
         if not chunk or run is None or len(tokens) <= chunk:
             return call, Fed()
@@ -207,7 +210,8 @@ class ModelServiceBase:
                 span=f"tandem.{self.role}.prefill", priority=call.priority if priority is None else priority),
                 count=False)
             self.prefill_chunks += 1
-            done = Fed(done.tokens + fed.tokens, done.cropped + fed.cropped, done.compute_ms + fed.compute_ms)
+            done = Fed(done.tokens + fed.tokens, done.cropped + fed.cropped, done.compute_ms + fed.compute_ms,
+                       done.scores + fed.scores)
             prefix_len, prefix_fp = prefix_len + len(part), fingerprint.extend(prefix_fp, part)
         return dataclasses.replace(call, prefix_len=prefix_len, prefix_fp=prefix_fp, new_tokens=tokens), done
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -18,7 +19,7 @@ from tandem.session_cache import SessionCacheStore
 from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire import sampling_from_proto
 from target_service.relay import Relay, next_request
-from target_service.verifier import Verifier, VerifyCall
+from target_service.verifier import PROMPT_CHUNK, Verifier, VerifyCall
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -168,18 +169,21 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             if span.is_recording():
                 span.set_attributes({"tandem.session_id": call.session_id, "tandem.prefix_length": call.prefix_len,
                                      "tandem.new_tokens": len(call.new_tokens), "tandem.k": len(call.draft_tokens)})
-            fed = None
-            if call.prompt_logprobs is None:  # a scored prompt runs in its own chunks, keeping their rows' logits
+            if call.prompt_logprobs is None:
                 call, fed = await self.prefill_ahead(context, call, self.verifier.feed)
+            else:  # a scored prompt's chunks keep their rows' logits: at most PROMPT_CHUNK rows
+                call, fed = await self.prefill_ahead(context, call, functools.partial(self.verifier.feed_scored, call),
+                                                     chunk=min(self.prefill_chunk, PROMPT_CHUNK))
             if self.batcher is not None:
                 outcome = await self.run_batched(context, self.batcher, call)
             else:
                 outcome = await self.run_checked(context, self.verifier.verify, call, priority=call.priority,
                                                  rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
-            if fed and fed.tokens:
+            if fed.tokens:
                 outcome = dataclasses.replace(outcome, prefilled=outcome.prefilled + fed.tokens,
                                               cropped=outcome.cropped + fed.cropped,
-                                              compute_ms=outcome.compute_ms + fed.compute_ms)
+                                              compute_ms=outcome.compute_ms + fed.compute_ms,
+                                              new_token_logprobs=fed.scores + outcome.new_token_logprobs)
             self.prefill_tokens += outcome.prefilled
             relay = request.relay
             if (call.draft_tokens and relay.draft_address and relay.num_tokens

@@ -85,6 +85,18 @@ class Verifier:
         (ModelServiceBase.prefill_ahead)."""
         self.runner.forward(cache.kv, cache.unfed(), logits_to_keep=1)
 
+    def feed_scored(self, call: VerifyCall, cache) -> tuple[TokenLogprobs, ...]:
+        """As feed, for a call that asks for its new tokens' log probabilities
+        (prompt_logprobs): keeps every row's logits, and returns the log
+        probability of each token after the chunk's first, through the first
+        token after the chunk. `call`: as it came, before its chunks were
+        taken off it. The chunk is at most PROMPT_CHUNK rows (their logits
+        are kept together)."""
+        chunk = cache.unfed()
+        following = call.new_tokens[len(cache) - call.prefix_len]
+        rows = self.runner.forward(cache.kv, chunk, logits_to_keep=len(chunk))  # [len(chunk), vocab]
+        return token_logprobs(rows, chunk[1:] + [following], call.prompt_logprobs)
+
     def _as_tree(self, call: VerifyCall) -> bool:
         """Whether the call's alternatives are verified beside its block."""
         return bool(call.alternatives and call.draft_tokens and call.sampling.greedy and self.runner.verifies_trees

@@ -121,16 +121,18 @@ def test_a_session_evicted_between_two_chunks_is_a_cache_miss_and_a_cancel_leave
             call = stub.Verify(_verify("cut", PROMPT))
             waiting = asyncio.ensure_future(call)
             await _queued(servicer.worker, 1)
-            stopped = threading.Event()
-            servicer.worker.submit(lambda: stopped.set())  # runs after the first chunk
+            stopped, resume = threading.Event(), threading.Event()
+            servicer.worker.submit(lambda: (stopped.set(), resume.wait()))  # holds the worker after the first chunk
             gate.set()
             await asyncio.to_thread(stopped.wait, 30)
-            call.cancel()
+            call.cancel()  # while the worker is held: the second chunk, if queued, never runs
             with pytest.raises(asyncio.CancelledError):
                 await waiting
             await asyncio.sleep(0.2)
+            resume.set()
+            await asyncio.sleep(0.2)
             held = await asyncio.to_thread(lambda: list(servicer.store.peek("cut").tokens))
-            assert held and len(held) % CHUNK == 0 and held == PROMPT[:len(held)]
+            assert held == PROMPT[:CHUNK]
             reply = await stub.Verify(_verify("cut", PROMPT[len(held):], prefix=held))
             return reply, len(held)
         finally:
@@ -139,6 +141,29 @@ def test_a_session_evicted_between_two_chunks_is_a_cache_miss_and_a_cancel_leave
 
     reply, held = asyncio.run(run())
     assert reply.prefilled_tokens == len(PROMPT) - held
+
+
+def test_a_scored_prompt_in_chunks_scores_every_token_as_a_whole_one_does(tiny_models):
+    """prompt_logprobs: the chunks keep their rows' logits, and each scores
+    the tokens after its first through the next chunk's first."""
+    async def run(chunk: int):
+        server, servicer, channel = await _target(tiny_models["target"], chunk)
+        try:
+            request = _verify("scored", PROMPT)
+            request.return_new_token_logprobs, request.top_logprobs = True, 3
+            reply = await target_pb2_grpc.TargetServiceStub(channel).Verify(request)
+            return reply, servicer.prefill_chunks
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    (chunked, chunks), (whole, none) = asyncio.run(run(CHUNK)), asyncio.run(run(0))
+    assert (chunks, none) == (4, 0)
+    assert len(chunked.new_token_logprobs) == len(whole.new_token_logprobs) == len(PROMPT) - 1
+    for a, b in zip(chunked.new_token_logprobs, whole.new_token_logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.rank == b.rank
+        assert list(a.top_tokens) == list(b.top_tokens)
+    assert (chunked.accepted, chunked.next_token) == (whole.accepted, whole.next_token)
 
 
 def test_a_drafts_long_prefill_runs_in_chunks_and_drafts_what_it_drafts_whole(tiny_models):
