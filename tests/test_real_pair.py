@@ -55,7 +55,7 @@ def test_real_pair_greedy_identical_to_target_alone(real_pair):
             full = tokenizer.decode(reference, skip_special_tokens=True)
             stop = full[len(full) // 2:][:3]  # a string the completion is known to produce
             stopped = client.generate(prompt_ids=prompt, max_tokens=NEW_TOKENS, stop=[stop])
-            assert stopped.finish_reason == "stop"
+            assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
             assert stopped.text == full[: full.index(stop)]
             assert stopped.token_ids == reference[: len(stopped.token_ids)]
             shaped = client.generate(prompt_ids=json_prompt, max_tokens=32, structured_output={"json_schema": SCHEMA})
