@@ -354,13 +354,15 @@ def pair_flags(parser) -> None:
                         help="extra draft service flags (default: %(default)s)")
 
 
-def pair_deployment(args, orchestrator_args: list[str]):
-    """A deployment of pair_flags' pair, each model service with --threads,
-    and an orchestrator with these flags (tandem.launch.Deployment)."""
+def pair_deployment(args, orchestrator_args: list[str], service_args: list[str] = ()):
+    """A deployment of pair_flags' pair, each model service with --threads
+    and `service_args`, and an orchestrator with these flags
+    (tandem.launch.Deployment)."""
     from tandem.launch import Deployment, Service
 
-    return Deployment(Service("target", ["--model", args.target], threads=args.threads),
-                      Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads),
+    return Deployment(Service("target", ["--model", args.target, *service_args], threads=args.threads),
+                      Service("draft", ["--model", args.draft, *args.draft_args.split(), *service_args],
+                              threads=args.threads),
                       orchestrator_args)
 
 

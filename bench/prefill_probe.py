@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_flags, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
 from tandem.client import TandemClient
 from tandem.redis_local import ensure_redis
 
@@ -160,7 +160,6 @@ def _time_forwards(runner, lengths, chunks) -> list[dict]:
 
 def main(argv=None) -> int:
     from tandem import default_models
-    from tandem.launch import Deployment, Service
 
     parser = argparse.ArgumentParser(prog="python -m bench.prefill_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,11 +195,8 @@ def main(argv=None) -> int:
     addresses = {}
     with contextlib.ExitStack() as stack:
         for side, chunk in sides.items():  # one after the other: two targets loading at once may not fit
-            flags = ["--prefill-chunk", chunk]
-            deployment = Deployment(Service("target", ["--model", args.target, *flags], threads=args.threads),
-                                    Service("draft", ["--model", args.draft, *args.draft_args.split(), *flags],
-                                            threads=args.threads),
-                                    ["--redis-url", redis, "--prefix-cache", "0"])
+            deployment = pair_deployment(args, ["--redis-url", redis, "--prefix-cache", "0"],
+                                         ["--prefill-chunk", chunk])
             addresses[side] = stack.enter_context(deployment).address
         result = run(addresses, PROMPTS[args.prompt], args.new_tokens, long_ids, args.long_tokens, args.reps)
     result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, chunk=args.chunk,
