@@ -240,14 +240,15 @@ def test_the_flag_takes_a_size_0_or_auto_which_depends_on_the_device():
 def test_the_prefill_probe_runs_on_the_tiny_pair_with_the_same_tokens_on_both_sides(char_models, tmp_path):
     """bench.prefill_probe on the tiny pair: real processes, a chunked side and
     a whole side; both requests' tokens are the same on both, and the decoding
-    stream's gaps while the long prompt ran are measured."""
+    stream's gaps while the long prompt ran are measured (its 400 tokens
+    outlast the long request's few)."""
     import json
 
     from bench.prefill_probe import main
 
     out = tmp_path / "prefill_probe.json"
     assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
-                 "--chunk", "16", "--prompt-tokens", "200", "--long-tokens", "4", "--new-tokens", "24",
+                 "--chunk", "16", "--prompt-tokens", "200", "--long-tokens", "4", "--new-tokens", "400",
                  "--reps", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["identical_passes"] == result["passes"] == 1
