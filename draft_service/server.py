@@ -275,10 +275,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                     proposal = await self.run_checked(context, self.drafter.propose, call, cancelled,
                                                       cancelled=cancelled, rows=self._rows(call),
                                                       priority=queue_place(call))
-                if fed.tokens:
-                    proposal = replace(proposal, prefilled=proposal.prefilled + fed.tokens,
-                                       cropped=proposal.cropped + fed.cropped,
-                                       compute_ms=proposal.compute_ms + fed.compute_ms)
+                proposal = fed.onto(proposal)
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:
                 telemetry.instruments().draft_step.record(proposal.step_ms * 1e-3)

@@ -12,6 +12,7 @@ from google.protobuf.json_format import MessageToDict
 
 from orchestrator import reasoning_parsers, tool_parsers
 from orchestrator.openai_api import Call
+from tandem import wire
 from tandem.v1 import tandem_pb2
 
 FINISH_REASONS = {  # Tandem's finish reason -> OpenAI's
@@ -244,8 +245,7 @@ def _stop_reason(call: Call, final: tandem_pb2.Completion) -> str | int | None:
     """vLLM's stop_reason: the stop string or the stop_token_ids token that
     ended the choice; None where something else did (an end-of-sequence token,
     max_tokens)."""
-    which = None if call.prompt_only else final.WhichOneof("stop_reason")
-    return getattr(final, which) if which else None
+    return None if call.prompt_only else wire.stop_reason(final)
 
 
 def _tools_finish_reason(call: Call, reason: str) -> str:

@@ -9,6 +9,7 @@ from typing import Iterator
 import grpc
 
 from tandem.serving import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
+from tandem.wire import stop_reason
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 FINISH_REASONS = {
@@ -185,8 +186,7 @@ def collect(events, on_delta=None) -> Result:
         else:
             final = event.final
             result.finish_reason = FINISH_REASONS.get(final.finish_reason, "unspecified")
-            which = final.WhichOneof("stop_reason")
-            result.stop_reason = getattr(final, which) if which else None
+            result.stop_reason = stop_reason(final)
             result.session_id = final.session_id
             result.prompt_tokens = final.usage.prompt_tokens
             result.completion_tokens = final.usage.completion_tokens

@@ -70,6 +70,19 @@ class Fed:
     compute_ms: float = 0.0  # the chunks' time on the model worker
     scores: tuple = ()  # what a scoring run returned, chunk after chunk (the target's prompt_logprobs)
 
+    def __add__(self, other: "Fed") -> "Fed":
+        return Fed(self.tokens + other.tokens, self.cropped + other.cropped, self.compute_ms + other.compute_ms,
+                   self.scores + other.scores)
+
+    def onto(self, outcome, **more):
+        """outcome (a VerifyOutcome or a Proposal) with the chunks' work added
+        to its own, and `more` fields replaced."""
+        if not self.tokens:
+            return outcome
+        return dataclasses.replace(outcome, prefilled=outcome.prefilled + self.tokens,
+                                   cropped=outcome.cropped + self.cropped,
+                                   compute_ms=outcome.compute_ms + self.compute_ms, **more)
+
 
 def feed(store: SessionCacheStore, run: Callable[[SessionCache], object], session_id: str, prefix_len: int,
          prefix_fp: int, tokens: list[int]) -> Fed:
@@ -210,8 +223,7 @@ class ModelServiceBase:
                 span=f"tandem.{self.role}.prefill", priority=call.priority if priority is None else priority),
                 count=False)
             self.prefill_chunks += 1
-            done = Fed(done.tokens + fed.tokens, done.cropped + fed.cropped, done.compute_ms + fed.compute_ms,
-                       done.scores + fed.scores)
+            done += fed
             prefix_len, prefix_fp = prefix_len + len(part), fingerprint.extend(prefix_fp, part)
         return dataclasses.replace(call, prefix_len=prefix_len, prefix_fp=prefix_fp, new_tokens=tokens), done
 

@@ -50,3 +50,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         grammar_after=params.grammar_after,
         allowed_tokens=params.allowed_ids, bad_words=[common_pb2.TokenSequence(ids=word) for word in params.bad_words],
     )
+
+
+def stop_reason(final) -> str | int | None:
+    """A Completion's stop reason, as vLLM's stop_reason: the stop string or
+    stop token that ended it, None where something else did."""
+    which = final.WhichOneof("stop_reason")
+    return getattr(final, which) if which else None

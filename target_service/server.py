@@ -1,7 +1,6 @@
 """gRPC face of the target service."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -179,11 +178,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             else:
                 outcome = await self.run_checked(context, self.verifier.verify, call, priority=call.priority,
                                                  rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
-            if fed.tokens:
-                outcome = dataclasses.replace(outcome, prefilled=outcome.prefilled + fed.tokens,
-                                              cropped=outcome.cropped + fed.cropped,
-                                              compute_ms=outcome.compute_ms + fed.compute_ms,
-                                              new_token_logprobs=fed.scores + outcome.new_token_logprobs)
+            outcome = fed.onto(outcome, new_token_logprobs=fed.scores + outcome.new_token_logprobs)
             self.prefill_tokens += outcome.prefilled
             relay = request.relay
             if (call.draft_tokens and relay.draft_address and relay.num_tokens
