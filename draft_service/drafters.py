@@ -338,9 +338,11 @@ class ModelDrafter:
 class NgramModelDrafter(ModelDrafter):
     """Prompt lookup first; the model drafts when the history has no match. The
     model's KV lags behind the history while n-grams hit, and catches up in one
-    forward when it is needed."""
-
-    feed = None  # no prefill ahead: the model's KV is filled only when the model drafts
+    forward when it is needed. A long prefill still runs into the model in
+    chunks (feed, ModelServiceBase.prefill_ahead), so that the catch-up after
+    a long prompt or turn is at most its last chunk and the tokens drafted by
+    lookup since, not the whole prompt in one forward that holds up every other
+    session's drafts."""
 
     def __init__(self, runner: ModelRunner | LeanRunner, store: SessionCacheStore, head: ReducedHead | None = None,
                  ngram_max: int = 4, min_confidence: float = 0.0):

@@ -164,8 +164,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
 
     @property
     def feeds_ahead(self) -> bool:
-        """Whether a long prefill runs in chunks: a drafter with a model whose
-        cache it fills as it goes (not the n-gram drafters)."""
+        """Whether a long prefill runs in chunks: a drafter with a model (not
+        the n-gram drafter alone)."""
         return getattr(self.drafter, "feed", None) is not None
 
     def _call(self, request) -> ProposeCall:

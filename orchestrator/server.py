@@ -10,35 +10,29 @@ import grpc
 
 from orchestrator import fim
 from orchestrator.auth import ApiKeys, call_tenant
-from orchestrator.backends import GrpcProposer, GrpcVerifier, Prefix, ServiceCacheMiss, ServiceUnavailable
-from orchestrator.config import MAX_TREE_WIDTH, OrchestratorConfig
-from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome, truncated
+from orchestrator.backends import GrpcProposer, GrpcVerifier, ServiceCacheMiss, ServiceUnavailable
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import Generation, RequestParams, TurnOutcome, truncated
 from orchestrator.guards import admitted, store_unavailable, tenant_quota
+from orchestrator.lifecycle import SessionLifecycle
+from orchestrator.load_board import LoadBoard
+from orchestrator.pairing import Pairing, PairingError
 from orchestrator.prefix_cache import PrefixCache
 from orchestrator.quotas import TenantQuotas
-from orchestrator.load_board import LoadBoard
-from orchestrator.replicas import Replicas, placed_on_board, service_client
+from orchestrator.replicas import Replicas, service_client
 from orchestrator.request_reader import RequestReader, read_tools, template_variables
 from orchestrator.store import SessionBusy, SessionForbidden, SessionNotFound, SessionStore
 from orchestrator.stored_responses import ItemStore, ResponseStore, StoredRpcs
-from orchestrator.text import ChatTemplate, check_chat_template
-from tandem import placement, serving, telemetry
-from tandem.tokenizer import load_tokenizer, tokenizer_fingerprint
-from tandem.v1 import common_pb2, tandem_pb2, tandem_pb2_grpc
+from orchestrator.text import ChatTemplate
+from tandem import serving, telemetry
+from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
-DRAFT_GRACE_S = 30.0  # at start, how long the draft service may lag the target before serving without it
-PAIR_POLL_S = 2.0  # then, how often to ask it again
+__all__ = ["OrchestratorConfig", "OrchestratorServicer", "PairingError", "build_server"]
 
 
-class PairingError(RuntimeError):
-    """The services, the tokenizer or the chat template do not go together;
-    the message says which, so start-up prints it as it is."""
-    for_people = True
-
-
-class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
+class OrchestratorServicer(Pairing, SessionLifecycle, StoredRpcs, tandem_pb2_grpc.TandemServicer):
     def __init__(self, config: OrchestratorConfig):
         self.config = config
         tls = (None, "")
@@ -78,133 +72,6 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
         self._connecting = asyncio.Lock()  # the first requests connect once, not once each
         self._placing = asyncio.Lock()  # new sessions are placed one at a time (orchestrator.replicas)
         self.active_requests = 0  # Generate and Chat streams in progress
-
-    async def connect(self, wait_s: float = 0.0) -> None:
-        """Checks Redis and pairs the two model services (retrying up to wait_s).
-        Raises PairingError when their tokenizers differ.
-
-        With draft_fallback, a draft service that has not answered by then (nor
-        within DRAFT_GRACE_S of the target) does not hold the orchestrator back:
-        requests decode on the target alone, and a background task pairs the
-        draft once it answers."""
-        await self.store.ping()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        self.target_info = await self._model_info(self.verifier, "target", deadline)
-        try:
-            draft = await self._model_info(self.proposer, "draft", min(deadline, loop.time() + DRAFT_GRACE_S)
-                                           if self.config.draft_fallback else deadline)
-        except ServiceUnavailable as err:
-            if not self.config.draft_fallback:
-                raise
-            log.warning("draft service unavailable (%s): serving on the target alone until it answers", err)
-            draft = None
-        if draft is not None and (mismatch := self._mismatch(draft)):
-            self.pair_error = mismatch
-            raise PairingError(mismatch)
-        target = self.target_info
-        self._load_tokenizer(target)
-        self.reader = RequestReader(target, self.tokenizer, self.template, self.config.default_max_tokens,
-                                    self.config.trust_request_chat_template,
-                                    self.config.scheduling_policy == "priority")
-        self.generation = Generation(
-            self.proposer, self.verifier, self.store, self.tokenizer, set(target.eos_token_ids),
-            EngineConfig(self.config.policy, self.config.pipeline, target.max_context, self.config.draft_fallback,
-                         self.config.prefill_overlap, self._tree_width(target)),
-        )
-        self.pair_error = None
-        if draft is None:
-            self.generation.breaker.pause()
-            if self._pairing is not None:
-                self._pairing.cancel()
-            self._pairing = asyncio.create_task(self._pair_draft_later())
-        else:
-            self._paired(draft)
-            log.info("paired draft %s (%s) with target %s", draft.model_id, draft.backend, target.model_id)
-
-    @staticmethod
-    async def _model_info(client, role: str, deadline: float):
-        while True:
-            try:
-                return await client.model_info()
-            except ValueError as err:  # replicas that serve different models
-                raise PairingError(str(err)) from None
-            except ServiceUnavailable as err:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                log.info("waiting for the %s service (%s)", role, err)
-                await asyncio.sleep(1.0)
-
-    def _mismatch(self, draft) -> str | None:
-        """Why `draft` cannot be paired with the target, or None."""
-        target = self.target_info
-        if draft.tokenizer_fingerprint == target.tokenizer_fingerprint:
-            return None
-        return (f"draft {draft.model_id!r} and target {target.model_id!r} do not share a tokenizer "
-                f"(fingerprints {draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]})")
-
-    async def _pair_draft_later(self) -> None:
-        """Asks the draft service for its model every PAIR_POLL_S until it
-        answers with one that matches the target, then lets rounds draft."""
-        refused = None
-        while True:
-            await asyncio.sleep(PAIR_POLL_S)
-            try:
-                draft = await self.proposer.model_info()
-                mismatch = self._mismatch(draft)
-            except (ServiceUnavailable, grpc.aio.AioRpcError) as err:
-                log.debug("draft service not answering yet: %s", err)
-                continue
-            except ValueError as err:  # its replicas serve different models
-                mismatch = str(err)
-            if mismatch:
-                if mismatch != refused:
-                    log.error("not drafting: %s; serving on the target alone", mismatch)
-                    refused = mismatch
-                continue
-            self._paired(draft)
-            self.generation.breaker.resume()
-            log.warning("paired draft %s (%s) with target %s: drafting again", draft.model_id, draft.backend,
-                        self.target_info.model_id)
-            return
-
-    def _paired(self, draft) -> None:
-        """Takes `draft` as the paired draft service."""
-        self.draft_info = draft
-        self.generation.draft_max_context = draft.max_context
-        self.generation.cores_shared = shared = placement.shared_cores(draft, self.target_info)
-        if shared and self.config.prefill_overlap is None:
-            log.info("prefill overlap off (auto): %s", shared)
-
-    def _load_tokenizer(self, target) -> None:
-        source = self.config.tokenizer or target.model_id
-        if source == "none":
-            if self.config.chat_template:
-                raise PairingError("--chat-template needs a tokenizer: --tokenizer none serves token ids only")
-            return
-        from tandem.default_models import resolve_model
-
-        tokenizer = load_tokenizer(resolve_model(source))
-        if tokenizer is None and target.tokenizer_fingerprint != tokenizer_fingerprint(None, target.vocab_size):
-            # The target has a tokenizer, and this machine could not load it (the
-            # target's --model names a directory on another node, say).
-            raise PairingError(f"the target model has a tokenizer, and none could be loaded from {source!r} here: "
-                               "give --tokenizer (a directory or hub id with the target's tokenizer), "
-                               "or --tokenizer none to serve token ids only")
-        if tokenizer is not None and tokenizer_fingerprint(tokenizer, target.vocab_size) != target.tokenizer_fingerprint:
-            raise PairingError(f"tokenizer {source!r} does not match the target model's")
-        if self.config.chat_template:
-            if tokenizer is None:
-                raise PairingError(f"--chat-template needs a tokenizer, and the target model {source!r} has none")
-            try:
-                check_chat_template(tokenizer, self.config.chat_template)
-            except ValueError as err:
-                raise PairingError(f"--chat-template: {err}") from err
-            tokenizer.chat_template = self.config.chat_template
-        self.tokenizer = tokenizer
-        self.template = ChatTemplate(tokenizer, target.eos_token_ids)
-        self.fim_format = fim.detect(tokenizer)
-        self.fim_ends = fim.end_ids(tokenizer) if self.fim_format else frozenset()  # the vocabulary read once
 
     # --- request checks -----------------------------------------------------------
     async def _ready(self, context) -> Generation:
@@ -431,11 +298,6 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
             chat_template=template if isinstance(template, str) else "")
 
     # --- helpers ---------------------------------------------------------------------
-    def _tree_width(self, target: common_pb2.ModelInfo) -> int:
-        if self.config.tree_width is not None:
-            return self.config.tree_width
-        return min(target.tree_width, MAX_TREE_WIDTH)
-
     def _check_room(self, committed: int, turn: int, params: RequestParams) -> None:
         limit = self.target_info.max_context
         if committed + turn + params.max_tokens > limit:
@@ -495,84 +357,6 @@ class OrchestratorServicer(StoredRpcs, tandem_pb2_grpc.TandemServicer):
                     f"a model service refused a call ({err.code().name}: {err.details()}); "
                     "the tokens streamed so far are committed",
                 )
-
-    async def _session_for(self, tenant: str, prompt: list[int], messages: list[dict] | None, reuse: bool = True):
-        """A Generate's session, and how many of the prompt's first tokens it
-        holds: a parked one that shares the prompt's prefix (--prefix-cache),
-        else (or without `reuse`) a new one."""
-        if self.prefix_cache is not None and reuse:
-            taken = await self.prefix_cache.take(tenant, prompt)
-            if taken is not None:
-                record, cached = taken
-                if messages:
-                    record.messages = messages
-                    await self.store.save_meta(record)
-                log.debug("session %s: %d of %d prompt tokens reused", record.session_id, cached, len(prompt))
-                return record, cached
-        return await self.store.create(tenant, messages, cache_id=await self._placed_id()), 0
-
-    async def _share(self, record, prompt: list[int]) -> None:
-        try:
-            await self.prefix_cache.share(record, prompt)
-        except Exception:  # noqa: BLE001 (a Redis hiccup costs later requests a prefill, not this one its answer)
-            log.warning("could not share the prompt of session %s", record.session_id, exc_info=True)
-
-    async def _park(self, record, shared: list[int] | None) -> bool:
-        """Withdraws the prompt a finished stateless request shared and parks its
-        session (--prefix-cache); False when it is not parked (Redis failed, or
-        the session is gone)."""
-        if shared is not None:
-            with contextlib.suppress(Exception):  # the live keys expire with the session's TTL anyway
-                await self.prefix_cache.unshare(record, shared)
-        try:
-            return await self.prefix_cache.park(record)
-        except Exception:  # noqa: BLE001 (Redis failed mid-way: deleted after, as without the cache)
-            log.warning("could not park session %s; deleting it", record.session_id, exc_info=True)
-            return False
-
-    async def _end_stateless(self, record, finished: bool, shared: list[int] | None = None) -> None:
-        """After a Generate without keep_session: withdraws the prompt it shared,
-        parks a session that finished for a later prompt with the same prefix,
-        and deletes any other."""
-        if finished and self.prefix_cache is not None:
-            if await self._park(record, shared):
-                return
-        elif shared is not None:
-            with contextlib.suppress(Exception):  # the live keys expire with the session's TTL anyway
-                await self.prefix_cache.unshare(record, shared)
-        await self._delete(record.tenant, record.session_id)
-
-    async def _release(self, cache_id: str) -> None:
-        """Frees a session's caches on both services."""
-        await asyncio.gather(self.proposer.release(cache_id), self.verifier.release(cache_id))
-
-    async def _placed_id(self) -> str:
-        """A new session's cache id, placed on the least busy replicas (orchestrator.replicas),
-        every orchestrator's sessions counted, on the load board where it answers;
-        "" (the session's id) without replicas."""
-        services = [client for client in (self.verifier, self.proposer) if isinstance(client, Replicas)]
-        return await placed_on_board(services, self._placing) if services else ""
-
-    def _crowded(self, cache_id: str) -> bool:
-        """Whether the replica of either service that holds a session's caches
-        is busy enough that a copy of them is better placed afresh."""
-        return any(isinstance(client, Replicas) and client.crowded(cache_id)
-                   for client in (self.proposer, self.verifier))
-
-    async def _fork(self, source_id: str, cache_id: str, length: int, fp: int) -> bool:
-        """Copies a prefix of one session's caches into another on both
-        services; True when both did (else neither keeps a copy)."""
-        prefix = Prefix(length, fp)
-        forked = await asyncio.gather(self.proposer.fork(source_id, cache_id, prefix),
-                                      self.verifier.fork(source_id, cache_id, prefix))
-        if not all(forked):
-            await self._release(cache_id)
-        return all(forked)
-
-    async def _delete(self, tenant: str, session_id: str) -> bool:
-        deleted, cache_id = await self.store.delete(tenant, session_id)
-        await self._release(cache_id)
-        return deleted
 
     async def close(self) -> None:
         if self._pairing is not None:

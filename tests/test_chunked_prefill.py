@@ -166,42 +166,62 @@ def test_a_scored_prompt_in_chunks_scores_every_token_as_a_whole_one_does(tiny_m
     assert (chunked.accepted, chunked.next_token) == (whole.accepted, whole.next_token)
 
 
-def test_a_drafts_long_prefill_runs_in_chunks_and_drafts_what_it_drafts_whole(tiny_models):
+async def _draft_run(model_dir: str, chunk: int, backend: str, prompt: list[int]):
+    """One Propose of `prompt` on a fresh draft service: (the checkouts, the
+    reply, the model's fed tokens in the session's cache after it)."""
     from draft_service.server import DraftOptions, build_server
 
-    async def run(chunk: int):
-        server, port, _, servicer = build_server(
-            "127.0.0.1:0", ModelConfig(tiny_models["other"], dtype="float32", inline_compute="off",
-                                       prefill_chunk=chunk),
-            CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions(quantize="none"))
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            seen = _log_checkouts(servicer)
-            stub = draft_pb2_grpc.DraftServiceStub(channel)
-            assert (await stub.GetModelInfo(common_pb2.GetModelInfoRequest())).prefill_chunk == chunk
-            reply = await stub.Propose(draft_pb2.ProposeRequest(
-                session_id="d", new_tokens=PROMPT, num_tokens=4, prefix=common_pb2.PrefixRef(length=0)))
-            return seen, reply
-        finally:
-            await channel.close()
-            await server.stop(None)
+    server, port, _, servicer = build_server(
+        "127.0.0.1:0", ModelConfig(model_dir, dtype="float32", inline_compute="off", prefill_chunk=chunk),
+        CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions(backend=backend, quantize="none"))
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        seen = _log_checkouts(servicer)
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        assert (await stub.GetModelInfo(common_pb2.GetModelInfoRequest())).prefill_chunk == chunk
+        reply = await stub.Propose(draft_pb2.ProposeRequest(
+            session_id="d", new_tokens=prompt, num_tokens=4, prefix=common_pb2.PrefixRef(length=0)))
+        fed = await asyncio.to_thread(lambda: servicer.store.peek("d").kv_len)
+        return seen, reply, fed
+    finally:
+        await channel.close()
+        await server.stop(None)
 
-    seen, chunked = asyncio.run(run(CHUNK))
+
+@pytest.mark.parametrize("backend", ["model", "ngram+model"])
+def test_a_drafts_long_prefill_runs_in_chunks_and_drafts_what_it_drafts_whole(tiny_models, backend):
+    """PROMPT repeats no n-gram, so the n-gram + model draft's model drafts too."""
+    seen, chunked, _ = asyncio.run(_draft_run(tiny_models["other"], CHUNK, backend, PROMPT))
     assert seen == [("d", at) for at in range(0, len(PROMPT), CHUNK)]
-    whole_seen, whole = asyncio.run(run(0))
+    whole_seen, whole, _ = asyncio.run(_draft_run(tiny_models["other"], 0, backend, PROMPT))
     assert whole_seen == [("d", 0)]
     assert list(chunked.tokens) == list(whole.tokens) and len(whole.tokens) == 4
     assert chunked.prefilled_tokens == whole.prefilled_tokens == len(PROMPT)
 
 
-def test_the_ngram_drafters_do_not_chunk_and_say_so(tiny_models):
+def test_the_ngram_and_model_draft_fills_its_model_in_chunks_while_lookup_drafts(tiny_models):
+    """A prompt whose n-grams repeat: lookup drafts, and the model holds all but
+    the last chunk (whole: nothing), so that a later miss catches up on one chunk."""
+    prompt = [(i % 5) + 10 for i in range(30)]
+    seen, chunked, fed = asyncio.run(_draft_run(tiny_models["other"], CHUNK, "ngram+model", prompt))
+    assert seen == [("d", at) for at in range(0, len(prompt), CHUNK)] and fed == len(prompt) - CHUNK
+    _, whole, whole_fed = asyncio.run(_draft_run(tiny_models["other"], 0, "ngram+model", prompt))
+    assert whole_fed == 0
+    assert list(chunked.tokens) == list(whole.tokens) == [10, 11, 12, 13]
+
+
+def test_the_ngram_drafter_does_not_chunk_and_says_so(tiny_models):
     from draft_service.server import DraftOptions, DraftServicer
 
-    for backend in ("ngram", "ngram+model"):
-        servicer = DraftServicer(ModelConfig(tiny_models["other"], dtype="float32", prefill_chunk=CHUNK),
-                                 CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions(backend=backend, quantize="none"))
-        assert not servicer.feeds_ahead and servicer.model_info().prefill_chunk == 0
+    def servicer(backend: str):
+        return DraftServicer(ModelConfig(tiny_models["other"], dtype="float32", prefill_chunk=CHUNK),
+                             CacheConfig(budget_mb=0, session_ttl_s=0), DraftOptions(backend=backend, quantize="none"))
+
+    alone = servicer("ngram")
+    assert not alone.feeds_ahead and alone.model_info().prefill_chunk == 0
+    paired = servicer("ngram+model")
+    assert paired.feeds_ahead and paired.model_info().prefill_chunk == CHUNK
 
 
 def test_end_to_end_a_long_prompt_in_chunks_equals_the_target_alone(tiny_models):
