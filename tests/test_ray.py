@@ -85,8 +85,10 @@ def _status(ray_head, name) -> tuple[int, dict]:
 def test_ray_places_the_services_which_serve_as_anywhere_and_come_down_whole(char_models, ray_head):
     name = f"test-{uuid.uuid4().hex[:8]}"
     common = ("--address", ray_head, "--name", name, "--redis-url", REDIS_URL)
+    # float32, as the reference: the services' auto is bfloat16 on a CPU with AMX.
     up = _tandem("ray", "up", *common, "--target-model", char_models["target"], "--draft-model", char_models["draft"],
-                 "--target-args", "--threads 1", "--draft-args", "--threads 1", "--gpus-per-service", "0",
+                 "--target-args", "--threads 1 --dtype float32", "--draft-args", "--threads 1 --dtype float32",
+                 "--gpus-per-service", "0",
                  "--target-replicas", "2", "--cpus-per-service", "0.5", "--timeout", "300")
     assert up.returncode == 0, up.stderr
     placed = json.loads(up.stdout.strip().splitlines()[-1])
