@@ -17,12 +17,21 @@ sampling and return_distributions; a prepare that does not match is cancelled
 before the call runs, and one that comes after its call, or for a history
 the draft already holds (a pre-draft that hit), or for a session it does not
 hold is skipped.
+
+A pre-draft queues behind the drafts an orchestrator waits for
+(draft_service.server.queue_place), so a relayed draft, or the
+orchestrator's own, can reach the worker before the orchestrator's cancel of
+the pre-draft reaches the service. A pre-draft that a fresh call of its
+session arrived after is dropped when its turn comes (Overtaken, answered as
+a cache miss): the orchestrator wants it no more, and were it to run after
+that call it would crop the call's tokens back to the history it assumed.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -32,12 +41,21 @@ from typing import Awaitable, Callable
 
 from draft_service.drafters import Proposal, ProposeCall
 from tandem import fingerprint
-from tandem.session_cache import SessionCacheStore
+from tandem.session_cache import CacheMiss, SessionCacheStore
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 256  # prepared drafts kept, one a session; the oldest go first
 STALE_S = 5.0  # a prepared draft not taken this long after it finished is dropped (its request ended)
 MAX_ASKED = 4096  # sessions whose last call's history length is kept
+
+
+class Overtaken(CacheMiss):
+    """A pre-draft whose session had a fresh call after it arrived."""
+
+    def __init__(self, session_id: str):
+        Exception.__init__(self, f"pre-draft of session {session_id} dropped: a later call of the session "
+                                 "reached the draft first")
+        self.expected = self.held = 0
 
 
 def history_key(call: ProposeCall) -> tuple:
@@ -90,7 +108,12 @@ class Prepared:
         self.run = run
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._asked: OrderedDict[str, int] = OrderedDict()  # history length of a session's last fresh call
+        # The number of a session's last fresh call (an orchestrator's call that
+        # is no pre-draft, or a prepare that began drafting), from one count.
+        self._fresh: OrderedDict[str, int] = OrderedDict()
+        self._numbers = itertools.count(1)
         self.received = self.started = self.used = 0  # Prepare requests; those that drafted; replies taken
+        self.overtaken = 0  # pre-drafts dropped (check_not_overtaken)
 
     def begin(self, call: ProposeCall) -> None:
         """Starts drafting for `call` unless its orchestrator call came first."""
@@ -98,6 +121,7 @@ class Prepared:
         if call.first_is_bonus_guess or length <= self._asked.get(call.session_id, 0):
             return
         self._drop(call.session_id)
+        self._note_fresh(call.session_id)
         stale = time.perf_counter() - STALE_S
         for session_id in [s for s, p in self._pending.items() if p.done_at and p.done_at < stale]:
             self._drop(session_id)
@@ -127,6 +151,7 @@ class Prepared:
             self._asked.move_to_end(call.session_id)
             while len(self._asked) > MAX_ASKED:
                 self._asked.popitem(last=False)
+            self._note_fresh(call.session_id)
         pending = self._pending.pop(call.session_id, None)
         if pending is None:
             return None
@@ -144,6 +169,27 @@ class Prepared:
         after_ms = (time.perf_counter() - max(arrived, pending.done_at)) * 1e3
         return Taken(proposal, proposal.compute_ms + beyond_ms + max(0.0, after_ms))
 
+    def _note_fresh(self, session_id: str) -> None:
+        self._fresh[session_id] = next(self._numbers)
+        self._fresh.move_to_end(session_id)
+        while len(self._fresh) > MAX_ASKED:
+            self._fresh.popitem(last=False)
+
+    def last_fresh(self, session_id: str) -> int:
+        """The number of the session's last fresh call, 0 for none: a pre-draft
+        notes it on arrival (after take), and is Overtaken if it has changed
+        when the pre-draft's turn on the worker comes."""
+        return self._fresh.get(session_id, 0)
+
+    def check_not_overtaken(self, session_id: str, noted: int) -> None:
+        """Raises Overtaken if a fresh call of the session arrived after the
+        pre-draft that noted `noted`. Runs on the model thread, just before the
+        pre-draft touches the cache."""
+        if self._fresh.get(session_id, 0) != noted:
+            self.overtaken += 1
+            log.debug("pre-draft of session %s overtaken by a later call: dropped", session_id)
+            raise Overtaken(session_id)
+
     def _drop(self, session_id: str) -> None:
         pending = self._pending.pop(session_id, None)
         if pending is not None:
@@ -152,6 +198,7 @@ class Prepared:
     def release(self, session_id: str) -> None:
         self._drop(session_id)
         self._asked.pop(session_id, None)
+        self._fresh.pop(session_id, None)
 
 
 async def _cancelled(task: asyncio.Task) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from draft_service.cheap import (INT4_KERNELS, QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel,
                                  quantize_int4, quantize_int8)
 from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, Proposal, ProposeCall
-from draft_service.prepared import Prepared, skip_held
+from draft_service.prepared import Overtaken, Prepared, skip_held
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears
 from tandem.distributions import encode_distribution
@@ -158,7 +158,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         self.prepared = Prepared(store, self._run_prepared)
         self.batcher = None
         if options.batch_drafts > 1:
-            self.batcher = CallBatcher(worker, self.drafter.propose_batch, options.batch_drafts,
+            self.batcher = CallBatcher(worker, self._propose_batch, options.batch_drafts,
                                        lambda item: item[0].session_id, lambda item: queue_place(item[0]))
             log.info("greedy blocks of up to %d sessions that queue are drafted in lockstep", options.batch_drafts)
 
@@ -205,6 +205,30 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         stops it between steps; a draft the orchestrator waits for may run inline."""
         return None if call.first_is_bonus_guess else len(call.new_tokens) + call.num_tokens - 1
 
+    def _propose(self, call: ProposeCall, cancelled: threading.Event, noted: int | None) -> Proposal:
+        """A Propose call's drafting, on the model worker; `noted`: a
+        pre-draft's last_fresh on arrival (None for any other call)."""
+        if noted is not None:
+            self.prepared.check_not_overtaken(call.session_id, noted)
+        return self.drafter.propose(call, cancelled)
+
+    def _propose_batch(self, items: list[tuple[ProposeCall, threading.Event, int | None]]) -> list:
+        """As _propose, for the calls drafted in lockstep (--batch-drafts)."""
+        results: list = [None] * len(items)
+        live = []
+        for index, (call, cancelled, noted) in enumerate(items):
+            try:
+                if noted is not None:
+                    self.prepared.check_not_overtaken(call.session_id, noted)
+                live.append(index)
+            except Overtaken as err:
+                results[index] = err
+        if live:
+            drafted = self.drafter.propose_batch([items[index][:2] for index in live])
+            for index, result in zip(live, drafted):
+                results[index] = result
+        return results
+
     def _propose_prepared(self, call: ProposeCall, cancelled: threading.Event) -> Proposal | None:
         held = skip_held(self.store, call)
         return None if held is None else self.drafter.propose(held, cancelled)
@@ -241,7 +265,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
     def counts(self) -> dict[str, int]:
         batcher = self.batcher
         return dict(super().counts(), prepared=self.prepared.received, prepared_started=self.prepared.started,
-                    prepared_used=self.prepared.used, draft_batches=batcher.batches if batcher else 0,
+                    prepared_used=self.prepared.used, predrafts_overtaken=self.prepared.overtaken,
+                    draft_batches=batcher.batches if batcher else 0,
                     batched_drafts=batcher.batched_calls if batcher else 0)
 
     def batchable(self, call: ProposeCall) -> bool:
@@ -265,14 +290,17 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 self.calls += 1
                 proposal = taken.proposal
             else:
+                # A pre-draft runs only if no fresh call of its session arrives
+                # before its turn (draft_service.prepared.Overtaken).
+                noted = self.prepared.last_fresh(call.session_id) if call.first_is_bonus_guess else None
                 cancelled = threading.Event()
                 context.add_done_callback(lambda _: cancelled.set())
                 call, fed = await self.prefill_ahead(context, call, getattr(self.drafter, "feed", None),
                                                      queue_place(call))
                 if self.batchable(call):
-                    proposal = await self.run_batched(context, self.batcher, (call, cancelled))
+                    proposal = await self.run_batched(context, self.batcher, (call, cancelled, noted))
                 else:
-                    proposal = await self.run_checked(context, self.drafter.propose, call, cancelled,
+                    proposal = await self.run_checked(context, self._propose, call, cancelled, noted,
                                                       cancelled=cancelled, rows=self._rows(call),
                                                       priority=queue_place(call))
                 proposal = fed.onto(proposal)

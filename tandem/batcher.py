@@ -40,6 +40,11 @@ class CallBatcher(Generic[C, R]):
         self.batches = 0  # batches run, and the calls they held (ServiceStats)
         self.batched_calls = 0
 
+    @property
+    def waiting(self) -> int:
+        """Calls submitted that wait for a batch (not the running one's)."""
+        return len(self._pending)
+
     async def submit(self, call: C) -> R:
         """The call's result, or the exception it raises (a cache miss, say)."""
         future = asyncio.get_running_loop().create_future()

@@ -3,6 +3,9 @@ its verdict's next draft call straight to the draft service. Over real gRPC
 and Redis: outputs stay exactly the target's, the drafts after rejections are
 the relayed ones, and a prepare that does not fit is never used."""
 import asyncio
+import concurrent.futures
+import threading
+import time
 
 import grpc
 import pytest
@@ -89,10 +92,14 @@ class DraftCalls:
         return grpc.aio.insecure_channel(self.cluster.draft_address)
 
     def propose(self, request):
-        async def call():
-            return await draft_pb2_grpc.DraftServiceStub(self.channel).Propose(request)
+        return self.cluster.run(self._propose(request))
 
-        return self.cluster.run(call())
+    async def _propose(self, request):
+        return await draft_pb2_grpc.DraftServiceStub(self.channel).Propose(request)
+
+    def propose_later(self, request) -> concurrent.futures.Future:
+        """The call sent now; its reply (or rpc error) when it comes."""
+        return asyncio.run_coroutine_threadsafe(self._propose(request), self.cluster.loop)
 
     def prepare(self, *requests) -> tuple[int, int]:
         """(requests received, those that drafted)."""
@@ -165,6 +172,82 @@ def test_a_prepare_for_a_history_the_draft_holds_a_session_it_lacks_or_a_bad_cal
         assert not calls.propose(_request("prep-c", held[:-1], held[-1:], 2)).prepared
     finally:
         calls.close()
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _pre_draft_after_the_later_call(cluster, session: str, batched: bool) -> None:
+    """The race below, set up: the draft's worker is held while a pre-draft
+    and then the draft after its verdict's rejection arrive; the later call
+    runs first, then the pre-draft's turn comes."""
+    calls = DraftCalls(cluster)
+    draft = cluster.draft
+    gate = threading.Event()
+    holding = None
+    try:
+        block = list(calls.propose(_request(session, [], PROMPT, 1)).tokens)  # holds PROMPT
+        holding = asyncio.run_coroutine_threadsafe(draft.worker.run(gate.wait), cluster.loop)
+        _until(lambda: draft.worker.queue_depth == 1, "the worker was not held")
+        if batched:  # another session's call: a batch that runs after the gate, so the two below wait together
+            other = calls.propose_later(_request(f"{session}-other", [], PROMPT[:4], 2))  # no prefill chunk
+            _until(lambda: draft.worker.queue_depth == 2, "the other session's batch never queued")
+        # Beside the verify of `block`: the pre-draft that assumes it accepted.
+        pre = calls.propose_later(draft_pb2.ProposeRequest(
+            session_id=session, new_tokens=block, num_tokens=3, first_is_bonus_guess=True,
+            prefix=common_pb2.PrefixRef(length=len(PROMPT), fingerprint=fingerprint.of(PROMPT))))
+        waiting = (lambda n: draft.batcher.waiting == n) if batched else (lambda n: draft.worker.queue_depth == n + 1)
+        _until(lambda: waiting(1), "the pre-draft never queued")
+        # The target rejected the block and took another token: the draft after that verdict.
+        verdict = block[0] % 120 + 1
+        after = calls.propose_later(_request(session, PROMPT, [verdict], 3))
+        _until(lambda: waiting(2), "the draft after the verdict never queued")
+        gate.set()
+        overtaken = draft.prepared.overtaken
+        drafted = list(after.result(60).tokens)
+        with pytest.raises(grpc.aio.AioRpcError) as missed:
+            pre.result(60)
+        assert missed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "a later call of the session reached the draft first" in missed.value.details()
+        assert draft.counts()["predrafts_overtaken"] == overtaken + 1
+        if batched:
+            other.result(60)
+        # The orchestrator's next call: that block accepted whole, and the target's token.
+        history = PROMPT + [verdict] + drafted[:-1]
+        assert len(calls.propose(_request(session, history, drafted[-1:] + [7], 2)).tokens) == 2
+    finally:
+        gate.set()
+        if holding is not None:
+            holding.result(30)
+        calls.close()
+
+
+def test_a_pre_draft_overtaken_in_the_queue_by_a_later_call_leaves_that_call_s_cache(relay_cluster):
+    """A pre-draft queues behind the drafts that the orchestrator waits for
+    (draft_service.server.queue_place). After a rejection the relayed draft,
+    or the orchestrator's own, may reach the draft service before the
+    orchestrator's cancel of the pre-draft does, and then it runs first. The
+    pre-draft must not run after it: its prefix (here, the history before a
+    one-token block) is still in the cache, and it would crop the later
+    call's tokens away, so that the orchestrator's next call missed. It is
+    answered as a miss, which the orchestrator takes as no pre-draft."""
+    _pre_draft_after_the_later_call(relay_cluster, "overtaken", batched=False)
+
+
+def test_a_pre_draft_overtaken_in_a_batch_queue_leaves_that_call_s_cache(tiny_models):
+    """The same with --batch-drafts: the two wait for a batch together, and
+    the batch takes the later call (one call a session, the lowest place first)."""
+    from draft_service.server import DraftOptions
+
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], draft_options=DraftOptions(batch_drafts=4))
+    try:
+        _pre_draft_after_the_later_call(cluster, "overtaken-batched", batched=True)
+    finally:
+        cluster.stop()
 
 
 def test_next_request_names_what_the_draft_holds_and_brings_the_verdict():
