@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_flags, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, model_flags, pair_flags, pair_record, parse_args, write
 from tandem.client import TandemClient
 from tandem.launch import Deployment, Service
 from tandem.redis_local import ensure_redis
@@ -165,10 +165,10 @@ def main(argv=None) -> int:
     orchestrator = ["--redis-url", ensure_redis(), "--prefix-cache", "0"]  # each request prefills its prompt
 
     def deployment(batch: int, batch_drafts: int) -> Deployment:
-        return Deployment(Service("target", ["--model", args.target, "--batch-verifies", str(batch)],
+        return Deployment(Service("target", [*model_flags(args, "target"), "--batch-verifies", str(batch)],
                                   threads=args.threads),
-                          Service("draft", ["--model", args.draft, *args.draft_args.split(),
-                                            "--batch-drafts", str(batch_drafts)], threads=args.threads),
+                          Service("draft", [*model_flags(args, "draft"), "--batch-drafts", str(batch_drafts)],
+                                  threads=args.threads),
                           orchestrator)
 
     sides = args.sides.split(",")
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     with contextlib.ExitStack() as stack:
         deployments = {side: stack.enter_context(deployment(*plan)) for side, plan in plans.items()}
         result = run(deployments, prompts, clients, args.new_tokens, args.reps)
-    result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, batch=args.batch,
+    result.update(**pair_record(args), batch=args.batch,
                   batch_drafts=args.batch_drafts, sides=sides, repeat=args.repeat, new_tokens=args.new_tokens, prompts=args.prompts.split(","),
                   machine=machine())
     write(args.out, result)

@@ -347,11 +347,28 @@ def machine() -> dict:
 
 
 def pair_flags(parser) -> None:
-    """--target, --draft and --draft-args: the model pair of a probe's deployments."""
+    """--target, --draft, --draft-args and --dtype: the model pair of a probe's deployments."""
     parser.add_argument("--target", default="default-target", help="target model (default: %(default)s)")
     parser.add_argument("--draft", default="default-draft", help="draft model (default: %(default)s)")
     parser.add_argument("--draft-args", default="--quantize auto --vocab-subset 32768",
                         help="extra draft service flags (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="both model services' --dtype (default: %(default)s, bfloat16 on a GPU or an AMX CPU). "
+                             "Sides compared token for token match reliably in float32 only: in bfloat16 where a "
+                             "block ends moves the rounding, and adaptive k ends blocks by measured times")
+
+
+def model_flags(args, role: str) -> list[str]:
+    """A model service's --model and --dtype from pair_flags' arguments, with
+    the draft's --draft-args (role: "target" or "draft")."""
+    if role == "draft":
+        return ["--model", args.draft, "--dtype", args.dtype, *args.draft_args.split()]
+    return ["--model", args.target, "--dtype", args.dtype]
+
+
+def pair_record(args) -> dict:
+    """What a probe's JSON records of pair_flags' pair."""
+    return dict(target=args.target, draft=args.draft, draft_args=args.draft_args, dtype=args.dtype)
 
 
 def pair_deployment(args, orchestrator_args: list[str], service_args: list[str] = ()):
@@ -360,9 +377,8 @@ def pair_deployment(args, orchestrator_args: list[str], service_args: list[str] 
     (tandem.launch.Deployment)."""
     from tandem.launch import Deployment, Service
 
-    return Deployment(Service("target", ["--model", args.target, *service_args], threads=args.threads),
-                      Service("draft", ["--model", args.draft, *args.draft_args.split(), *service_args],
-                              threads=args.threads),
+    return Deployment(Service("target", [*model_flags(args, "target"), *service_args], threads=args.threads),
+                      Service("draft", [*model_flags(args, "draft"), *service_args], threads=args.threads),
                       orchestrator_args)
 
 

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, pair_record, parse_args, write
 from tandem.client import TandemClient
 from tandem.launch import free_port
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     deployment = pair_deployment(args, ["--http-port", str(http_port), "--prefix-cache", "0"])  # each prefills its prompt
     with deployment:
         result = run(deployment.address, f"http://127.0.0.1:{http_port}", prompts, args.new_tokens, args.reps)
-    result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, new_tokens=args.new_tokens,
+    result.update(**pair_record(args), new_tokens=args.new_tokens,
                   machine=machine())
     write(args.out, result)
     print(f"{'way':<12} {'tok/s':>7} {'outside ms p50':>15} {'max':>7} {'same':>6}")

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, pair_record, parse_args, write
 from tandem.client import TandemClient
 from tandem.redis_local import ensure_redis
 
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
                                          ["--prefill-chunk", chunk])
             addresses[side] = stack.enter_context(deployment).address
         result = run(addresses, PROMPTS[args.prompt], args.new_tokens, long_ids, args.long_tokens, args.reps)
-    result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, chunk=args.chunk,
+    result.update(**pair_record(args), chunk=args.chunk,
                   prompt_tokens=args.prompt_tokens, long_tokens=args.long_tokens, new_tokens=args.new_tokens,
                   prompt=args.prompt, threads=args.threads, machine=machine())
     write(args.out, result)

@@ -32,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import RESULTS, cut, machine, pair_flags, parse_args, write
+from bench.common import RESULTS, cut, machine, model_flags, pair_flags, pair_record, parse_args, write
 from tandem.launch import Deployment, Service, free_port
 
 log = logging.getLogger("bench.prefix_probe")
@@ -212,8 +212,8 @@ def main(argv=None) -> int:
     args = parse_args(parser, argv)
     chats = {name: CHATS[name] for name in args.chats.split(",")}
     ports = {side: free_port() for side in SIDES}
-    target = Service("target", ["--model", args.target], threads=args.threads)
-    draft = Service("draft", ["--model", args.draft, *args.draft_args.split()], threads=args.threads)
+    target = Service("target", model_flags(args, "target"), threads=args.threads)
+    draft = Service("draft", model_flags(args, "draft"), threads=args.threads)
     with Deployment(target, draft, ["--http-port", str(ports["cache_on"])]) as deployment:
         off = Service("orchestrator", ["--target", target.address, "--draft", draft.address,
                                        "--http-port", str(ports["cache_off"]), "--prefix-cache", "0"])
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                 result = run(bases, chats, args.turns, args.new_tokens, SYSTEM if args.system == "shared" else "")
         finally:
             off.stop()
-    result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, new_tokens=args.new_tokens,
+    result.update(**pair_record(args), new_tokens=args.new_tokens,
                   turns=0 if args.choices else args.turns, system=args.system, machine=machine())
     write(args.out, result)
     if args.choices:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
+from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, pair_record, parse_args, write
 from tandem.client import TandemClient
 from tandem.redis_local import ensure_redis
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     with deployment:
         result = run(deployment, PROMPTS[args.prompt], args.background, args.new_tokens,
                      args.foreground_tokens, args.reps, args.settle)
-    result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, background=args.background,
+    result.update(**pair_record(args), background=args.background,
                   background_priority=BACKGROUND_PRIORITY, new_tokens=args.new_tokens,
                   foreground_tokens=args.foreground_tokens, prompt=args.prompt, threads=args.threads,
                   machine=machine())

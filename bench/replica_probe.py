@@ -40,7 +40,7 @@ from pathlib import Path
 import grpc
 
 from bench.batch_probe import _round, round_args, round_flags
-from bench.common import RESULTS, cut, machine, pair_flags, parse_args, write
+from bench.common import RESULTS, cut, machine, model_flags, pair_flags, pair_record, parse_args, write
 from tandem.launch import Service, free_port
 from tandem.redis_local import ensure_redis
 from tandem.v1 import common_pb2, target_pb2_grpc
@@ -189,10 +189,9 @@ def main(argv=None) -> int:
     with contextlib.ExitStack() as stack:
         targets = []
         for _ in range(2):  # one after the other: a target loading peaks at about 10 GiB (the default pair)
-            targets.append(_started(stack, Service("target", ["--model", args.target], threads=args.threads)))
+            targets.append(_started(stack, Service("target", model_flags(args, "target"), threads=args.threads)))
             targets[-1].ready(LOG_DIR, 900)
-        draft = _started(stack, Service("draft", ["--model", args.draft, *args.draft_args.split()],
-                                        threads=args.threads))
+        draft = _started(stack, Service("draft", model_flags(args, "draft"), threads=args.threads))
         draft.ready(LOG_DIR, 900)
         both = ",".join(t.address for t in targets)
         if args.compare == "replicas":
@@ -210,7 +209,7 @@ def main(argv=None) -> int:
             for orchestrator in orchestrators[side]:
                 orchestrator.ready(LOG_DIR, 120)
         result = run(orchestrators, targets, prompts, clients, args.new_tokens, args.reps, metrics)
-    result.update(target=args.target, draft=args.draft, draft_args=args.draft_args, repeat=args.repeat,
+    result.update(**pair_record(args), repeat=args.repeat,
                   new_tokens=args.new_tokens, prompts=args.prompts.split(","), threads=args.threads,
                   compare=args.compare, orchestrators_per_side=len(orchestrators[SIDES[args.compare][0]]),
                   machine=machine())

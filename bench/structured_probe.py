@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, cut, machine, pair_deployment, pair_flags, parse_args, write
+from bench.common import RESULTS, cut, machine, pair_deployment, pair_flags, pair_record, parse_args, write
 import torch
 
 from tandem.client import TandemClient
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     tandem_tok_s = sum(r["tokens"] for r in first_pass) / sum(r["wall_s"] for r in first_pass)
     result.update(target_alone_constrained=alone, constrained_vs_target_alone_tok_s=tandem_tok_s / alone["tok_s"],
                   identical_to_target_alone=sum(r["ids"] == a["ids"] for r, a in zip(first_pass, alone["runs"])))
-    result.update(masks=costs, target=args.target, draft=args.draft, draft_args=args.draft_args,
+    result.update(masks=costs, **pair_record(args),
                   new_tokens=args.new_tokens, machine=machine())
     write(args.out, result)
     print(f"{'mode':<12} {'tok/s':>7} {'decode':>7} {'alpha':>6} {'tok/round':>9} {'valid':>6} {'eos':>5}")

@@ -175,7 +175,7 @@ def test_the_batch_probe_runs_both_sides_and_gets_the_same_replies(char_models, 
     from bench.batch_probe import main
 
     out = tmp_path / "batch_probe.json"
-    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", "--dtype", "float32",
                  "--sides", "both_batched,unbatched", "--clients", "1,3", "--prompts", "code-1,code-2,prose-1",
                  "--new-tokens", "12", "--reps", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

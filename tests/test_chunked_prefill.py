@@ -267,7 +267,7 @@ def test_the_prefill_probe_runs_on_the_tiny_pair_with_the_same_tokens_on_both_si
     from bench.prefill_probe import main
 
     out = tmp_path / "prefill_probe.json"
-    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", "--dtype", "float32",
                  "--chunk", "16", "--prompt-tokens", "200", "--long-tokens", "4", "--new-tokens", "400",
                  "--reps", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

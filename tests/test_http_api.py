@@ -679,7 +679,7 @@ def test_the_http_probe_sends_each_request_both_ways_and_gets_the_same_tokens(ch
     from bench.http_probe import WAYS, main
 
     out = tmp_path / "http_probe.json"
-    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", "--dtype", "float32",
                  "--prompts", "code-1,prose-1", "--new-tokens", "12", "--reps", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     for way in WAYS:

@@ -356,7 +356,7 @@ def test_the_prefix_probe_reuses_caches_on_one_side_only_and_gets_the_same_repli
     from bench.prefix_probe import main
 
     out = tmp_path / "prefix_probe.json"
-    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", "--dtype", "float32",
                  "--chats", "stack,csv", "--turns", "3", "--new-tokens", "8", "--system", "none",
                  "--out", str(out)]) == 0  # the shared system prompt alone is past the tiny models' window
     result = json.loads(out.read_text())
@@ -377,7 +377,7 @@ def test_the_prefix_probes_choices_copy_the_prompt_on_one_side_only_and_are_the_
     from bench.prefix_probe import main
 
     out = tmp_path / "prefix_probe.json"
-    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", "--dtype", "float32",
                  "--chats", "stack,csv", "--choices", "3", "--new-tokens", "8", "--system", "none",
                  "--out", str(out)]) == 0
     result = json.loads(out.read_text())

@@ -316,7 +316,7 @@ def test_the_priority_probe_runs_on_the_tiny_pair_with_the_same_foreground_on_bo
     from bench.priority_probe import main
 
     out = tmp_path / "priority_probe.json"
-    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", "--dtype", "float32",
                  "--background", "1", "--new-tokens", "16", "--foreground-tokens", "8", "--reps", "1",
                  "--settle", "0.5", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

@@ -655,7 +655,7 @@ def test_the_replica_probe_spreads_sessions_over_both_targets_with_the_same_repl
     from bench.replica_probe import main
 
     out = tmp_path / "replica_probe.json"
-    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", "--dtype", "float32",
                  "--clients", "2", "--reps", "1", "--repeat", "4", "--new-tokens", "8", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["identical_rounds"] == result["rounds"] == 1
@@ -673,7 +673,7 @@ def test_the_replica_probe_compares_orchestrators_that_share_their_loads_with_on
     from bench.replica_probe import main
 
     out = tmp_path / "replica_load_probe.json"
-    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "", "--dtype", "float32",
                  "--compare", "load", "--clients", "2", "--reps", "1", "--repeat", "4", "--new-tokens", "8",
                  "--out", str(out)]) == 0
     result = json.loads(out.read_text())
