@@ -19,12 +19,16 @@ the draft already holds (a pre-draft that hit), or for a session it does not
 hold is skipped.
 
 A pre-draft queues behind the drafts an orchestrator waits for
-(draft_service.server.queue_place), so a relayed draft, or the
-orchestrator's own, can reach the worker before the orchestrator's cancel of
-the pre-draft reaches the service. A pre-draft that a fresh call of its
-session arrived after is dropped when its turn comes (Overtaken, answered as
-a cache miss): the orchestrator wants it no more, and were it to run after
-that call it would crop the call's tokens back to the history it assumed.
+(draft_service.server.queue_place), so after a rejection the relayed draft,
+or the orchestrator's own, can run before the pre-draft whose cancel has not
+reached the service yet. A pre-draft is dropped when its turn comes
+(Overtaken, answered as a cache miss) if a fresh call of its session arrived
+after it and that call's history parts from the pre-draft's: the
+orchestrator wants it no more, and were it to run it would crop that call's
+tokens back to the history it assumed, and the orchestrator's next call
+would miss. A later call whose history the pre-draft's extends (a draft
+relayed after the request's last verdict, then the next turn's first call)
+leaves it to run.
 """
 from __future__ import annotations
 
@@ -50,12 +54,28 @@ MAX_ASKED = 4096  # sessions whose last call's history length is kept
 
 
 class Overtaken(CacheMiss):
-    """A pre-draft whose session had a fresh call after it arrived."""
+    """A pre-draft whose session had a fresh call after it arrived, on a history that parts from its own."""
 
     def __init__(self, session_id: str):
         Exception.__init__(self, f"pre-draft of session {session_id} dropped: a later call of the session "
                                  "reached the draft first")
         self.expected = self.held = 0
+
+
+def _fp_at(call: ProposeCall, length: int) -> int:
+    """The fingerprint of the call's history cut to `length` (prefix_len <= length <= its history's)."""
+    return fingerprint.extend(call.prefix_fp, call.new_tokens[:length - call.prefix_len])
+
+
+def parts(one: ProposeCall, other: ProposeCall) -> bool:
+    """Whether the two calls' histories (prefix + new tokens) differ within
+    the shorter's length, where both calls name it; False where that cannot
+    be told from the calls (one's prefix is longer than the other's history:
+    a checkout of the longer prefix then tells)."""
+    length = min(one.prefix_len + len(one.new_tokens), other.prefix_len + len(other.new_tokens))
+    if length < max(one.prefix_len, other.prefix_len):
+        return False
+    return _fp_at(one, length) != _fp_at(other, length)
 
 
 def history_key(call: ProposeCall) -> tuple:
@@ -108,9 +128,9 @@ class Prepared:
         self.run = run
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._asked: OrderedDict[str, int] = OrderedDict()  # history length of a session's last fresh call
-        # The number of a session's last fresh call (an orchestrator's call that
-        # is no pre-draft, or a prepare that began drafting), from one count.
-        self._fresh: OrderedDict[str, int] = OrderedDict()
+        # A session's last fresh call (an orchestrator's call that is no
+        # pre-draft, or a prepare that began drafting) and its number, from one count.
+        self._fresh: OrderedDict[str, tuple[int, ProposeCall]] = OrderedDict()
         self._numbers = itertools.count(1)
         self.received = self.started = self.used = 0  # Prepare requests; those that drafted; replies taken
         self.overtaken = 0  # pre-drafts dropped (check_not_overtaken)
@@ -121,7 +141,7 @@ class Prepared:
         if call.first_is_bonus_guess or length <= self._asked.get(call.session_id, 0):
             return
         self._drop(call.session_id)
-        self._note_fresh(call.session_id)
+        self._note_fresh(call)
         stale = time.perf_counter() - STALE_S
         for session_id in [s for s, p in self._pending.items() if p.done_at and p.done_at < stale]:
             self._drop(session_id)
@@ -151,7 +171,7 @@ class Prepared:
             self._asked.move_to_end(call.session_id)
             while len(self._asked) > MAX_ASKED:
                 self._asked.popitem(last=False)
-            self._note_fresh(call.session_id)
+            self._note_fresh(call)
         pending = self._pending.pop(call.session_id, None)
         if pending is None:
             return None
@@ -169,26 +189,27 @@ class Prepared:
         after_ms = (time.perf_counter() - max(arrived, pending.done_at)) * 1e3
         return Taken(proposal, proposal.compute_ms + beyond_ms + max(0.0, after_ms))
 
-    def _note_fresh(self, session_id: str) -> None:
-        self._fresh[session_id] = next(self._numbers)
-        self._fresh.move_to_end(session_id)
+    def _note_fresh(self, call: ProposeCall) -> None:
+        self._fresh[call.session_id] = (next(self._numbers), call)
+        self._fresh.move_to_end(call.session_id)
         while len(self._fresh) > MAX_ASKED:
             self._fresh.popitem(last=False)
 
     def last_fresh(self, session_id: str) -> int:
         """The number of the session's last fresh call, 0 for none: a pre-draft
-        notes it on arrival (after take), and is Overtaken if it has changed
-        when the pre-draft's turn on the worker comes."""
-        return self._fresh.get(session_id, 0)
+        notes it on arrival (after take), for check_not_overtaken."""
+        fresh = self._fresh.get(session_id)
+        return 0 if fresh is None else fresh[0]
 
-    def check_not_overtaken(self, session_id: str, noted: int) -> None:
-        """Raises Overtaken if a fresh call of the session arrived after the
-        pre-draft that noted `noted`. Runs on the model thread, just before the
-        pre-draft touches the cache."""
-        if self._fresh.get(session_id, 0) != noted:
+    def check_not_overtaken(self, call: ProposeCall, noted: int) -> None:
+        """Raises Overtaken if a fresh call of the pre-draft `call`'s session
+        arrived after it (it noted `noted`) on a history that parts from its
+        own. Runs on the model thread, just before the pre-draft touches the cache."""
+        fresh = self._fresh.get(call.session_id)
+        if fresh is not None and fresh[0] != noted and parts(fresh[1], call):
             self.overtaken += 1
-            log.debug("pre-draft of session %s overtaken by a later call: dropped", session_id)
-            raise Overtaken(session_id)
+            log.debug("pre-draft of session %s overtaken by a later call: dropped", call.session_id)
+            raise Overtaken(call.session_id)
 
     def _drop(self, session_id: str) -> None:
         pending = self._pending.pop(session_id, None)

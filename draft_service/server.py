@@ -209,7 +209,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         """A Propose call's drafting, on the model worker; `noted`: a
         pre-draft's last_fresh on arrival (None for any other call)."""
         if noted is not None:
-            self.prepared.check_not_overtaken(call.session_id, noted)
+            self.prepared.check_not_overtaken(call, noted)
         return self.drafter.propose(call, cancelled)
 
     def _propose_batch(self, items: list[tuple[ProposeCall, threading.Event, int | None]]) -> list:
@@ -219,7 +219,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         for index, (call, cancelled, noted) in enumerate(items):
             try:
                 if noted is not None:
-                    self.prepared.check_not_overtaken(call.session_id, noted)
+                    self.prepared.check_not_overtaken(call, noted)
                 live.append(index)
             except Overtaken as err:
                 results[index] = err
@@ -290,8 +290,8 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 self.calls += 1
                 proposal = taken.proposal
             else:
-                # A pre-draft runs only if no fresh call of its session arrives
-                # before its turn (draft_service.prepared.Overtaken).
+                # A pre-draft does not run after a fresh call of its session that
+                # arrived after it on another history (draft_service.prepared.Overtaken).
                 noted = self.prepared.last_fresh(call.session_id) if call.first_is_bonus_guess else None
                 cancelled = threading.Event()
                 context.add_done_callback(lambda _: cancelled.set())

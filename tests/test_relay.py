@@ -181,18 +181,25 @@ def _until(condition, what: str) -> None:
         time.sleep(0.005)
 
 
+def _held(cluster):
+    """The draft's worker held (the gate to set, and the hold to wait for after)."""
+    gate = threading.Event()
+    worker = cluster.draft.worker
+    holding = asyncio.run_coroutine_threadsafe(worker.run(gate.wait), cluster.loop)
+    _until(lambda: worker.queue_depth == 1, "the worker was not held")
+    return gate, holding
+
+
 def _pre_draft_after_the_later_call(cluster, session: str, batched: bool) -> None:
     """The race below, set up: the draft's worker is held while a pre-draft
     and then the draft after its verdict's rejection arrive; the later call
     runs first, then the pre-draft's turn comes."""
     calls = DraftCalls(cluster)
     draft = cluster.draft
-    gate = threading.Event()
-    holding = None
+    gate = holding = None
     try:
         block = list(calls.propose(_request(session, [], PROMPT, 1)).tokens)  # holds PROMPT
-        holding = asyncio.run_coroutine_threadsafe(draft.worker.run(gate.wait), cluster.loop)
-        _until(lambda: draft.worker.queue_depth == 1, "the worker was not held")
+        gate, holding = _held(cluster)
         if batched:  # another session's call: a batch that runs after the gate, so the two below wait together
             other = calls.propose_later(_request(f"{session}-other", [], PROMPT[:4], 2))  # no prefill chunk
             _until(lambda: draft.worker.queue_depth == 2, "the other session's batch never queued")
@@ -220,8 +227,8 @@ def _pre_draft_after_the_later_call(cluster, session: str, batched: bool) -> Non
         history = PROMPT + [verdict] + drafted[:-1]
         assert len(calls.propose(_request(session, history, drafted[-1:] + [7], 2)).tokens) == 2
     finally:
-        gate.set()
         if holding is not None:
+            gate.set()
             holding.result(30)
         calls.close()
 
@@ -248,6 +255,62 @@ def test_a_pre_draft_overtaken_in_a_batch_queue_leaves_that_call_s_cache(tiny_mo
         _pre_draft_after_the_later_call(cluster, "overtaken-batched", batched=True)
     finally:
         cluster.stop()
+
+
+def test_a_bonus_call_that_a_later_call_on_a_history_it_extends_overtook_still_runs(relay_cluster):
+    """A draft relayed after a request's last verdict may start after the next
+    turn's first call (a bonus call) reached the draft, and run before it. That
+    draft's history is a prefix of the turn's, so the turn's call runs after
+    it, as it would have alone: the same tokens, and its cache for the next call."""
+    calls = DraftCalls(relay_cluster)
+    turn = [3, 4, 5]
+    gate = holding = None
+    try:
+        for session in ("extended", "extended-alone"):
+            calls.propose(_request(session, [], PROMPT, 2))  # holds PROMPT and a drafted token
+        overtaken = relay_cluster.draft.prepared.overtaken
+        gate, holding = _held(relay_cluster)
+        worker = relay_cluster.draft.worker
+
+        def first_call(session):
+            return draft_pb2.ProposeRequest(
+                session_id=session, new_tokens=turn, num_tokens=3, first_is_bonus_guess=True,
+                prefix=common_pb2.PrefixRef(length=len(PROMPT), fingerprint=fingerprint.of(PROMPT)))
+
+        first = calls.propose_later(first_call("extended"))
+        _until(lambda: worker.queue_depth == 2, "the turn's call never queued")
+        relayed = calls.propose_later(_request("extended", PROMPT[:-1], PROMPT[-1:], 2))
+        _until(lambda: worker.queue_depth == 3, "the relayed draft never queued")
+        gate.set()
+        relayed.result(60)
+        drafted = list(first.result(60).tokens)
+        assert relay_cluster.draft.prepared.overtaken == overtaken
+        assert drafted == list(calls.propose(first_call("extended-alone")).tokens)
+        history = PROMPT + turn + drafted[:-1]
+        assert len(calls.propose(_request("extended", history, drafted[-1:] + [7], 2)).tokens) == 2
+    finally:
+        if holding is not None:
+            gate.set()
+            holding.result(30)
+        calls.close()
+
+
+def test_two_calls_part_where_their_histories_differ_within_the_shorter():
+    from draft_service.drafters import ProposeCall
+    from draft_service.prepared import parts
+    from tandem.sampling import SamplingParams
+
+    def call(prefix, new):
+        return ProposeCall("s", len(prefix), fingerprint.of(prefix), new, 2, SamplingParams(), False, False)
+
+    base = [5, 6, 7, 8]
+    pre_draft = call(base, [9])  # the block [.., 9] accepted whole, assumed
+    assert parts(call(base[:3], [8, 1]), pre_draft)  # the verdict took 1 where the block had 9
+    assert parts(call(base, [1]), pre_draft) and parts(pre_draft, call(base, [1]))
+    assert not parts(call(base[:3], [8]), pre_draft)  # a prefix of it
+    assert not parts(call(base, [9, 4]), pre_draft)  # it extends the pre-draft's
+    # The shorter history ends before the other's prefix: not told here (a checkout of that prefix tells).
+    assert not parts(call([5], [1]), pre_draft)
 
 
 def test_next_request_names_what_the_draft_holds_and_brings_the_verdict():
