@@ -68,6 +68,11 @@ class ModeResult:
     # Tandem: the fraction of rounds that took an alternative verified beside
     # their block (SpeculationStats.alternative_hits; --tree-width)
     alternative_hit_rate: float | None = None
+    # Tandem: the requests' re-syncs (a service that missed its cache: the
+    # committed tokens sent again, a prefill's time), and rounds on the target
+    # alone while the draft was unavailable. 0 in a sound run.
+    cache_misses: int | None = None
+    undrafted_rounds: int | None = None
     outputs: dict = field(default_factory=dict)
 
 
@@ -246,6 +251,8 @@ class TandemTally:
     pipelined: int = 0
     relayed: int = 0
     alternative_hits: int = 0
+    cache_misses: int = 0
+    undrafted: int = 0
 
     def time(self, client, name: str, ids: list[int], new_tokens: int, **params) -> None:
         """One prompt through the orchestrator, greedy, timed and folded in."""
@@ -264,6 +271,8 @@ class TandemTally:
         self.pipelined += s.pipelined
         self.relayed += s.relayed_drafts
         self.alternative_hits += s.alternative_hits
+        self.cache_misses += s.cache_misses
+        self.undrafted += s.undrafted_rounds
         self.attempts += s.predraft_attempts
         self.k_sum += s.mean_k * s.rounds
         _add_counts(self.rounds_per_k, s.rounds_per_k)
@@ -318,6 +327,7 @@ class TandemTally:
         r.tried_per_position = self.tried
         r.rounds_per_k = self.rounds_per_k
         r.pipelined_prompts = self.pipelined
+        r.cache_misses, r.undrafted_rounds = self.cache_misses, self.undrafted
         # Every round but a prompt's last is followed by a pre-draft hit or a draft after its reply.
         drafted_after = rounds - r.prompts - self.hits
         r.relayed_draft_rate = self.relayed / drafted_after if drafted_after > 0 else None

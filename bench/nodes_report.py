@@ -65,6 +65,10 @@ def report(modes: dict[str, ModeResult], args, configs: list[tuple[str, str]], p
         if r.overhead_in_services_ms_p50 is not None and r.overhead_ms_per_round_p50 is not None:
             print(f"{label}'s overhead p50 {r.overhead_ms_per_round_p50:.2f} ms: {r.overhead_in_services_ms_p50:.2f} ms p50 "
                   f"in the services' handlers beyond their compute, the rest gRPC both ways and the orchestrator")
+    troubled = [f"{name} ({r.cache_misses} re-syncs, {r.undrafted_rounds} rounds without the draft)"
+                for name, r in modes.items() if r.cache_misses or r.undrafted_rounds]
+    if troubled:
+        print("lost time beyond the table's: " + "; ".join(troubled))
     first, own = modes.get("a_target_one_core_own_first"), modes.get("a_target_one_core")
     if first is not None and first.tok_s and own is not None and own.tok_s:
         print(f"Tandem's own target alone ran {first.tok_s:.2f} tok/s right after the other configurations' (a) and "

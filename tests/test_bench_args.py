@@ -59,6 +59,28 @@ def test_best_ceiling_is_the_highest_among_the_pinned_pipelined_modes():
     assert best_ceiling({"b_sequential": ModeResult(ceiling_tok_s=20.0)}) == (None, None)
 
 
+def test_a_tandem_mode_counts_its_requests_re_syncs_and_rounds_without_the_draft():
+    from types import SimpleNamespace
+
+    from bench.common import TandemTally
+    from tandem.v1 import tandem_pb2
+
+    replies = iter([(0, 0), (2, 1), (1, 0)])
+
+    class Client:
+        def generate(self, **params):
+            misses, undrafted = next(replies)
+            stats = tandem_pb2.SpeculationStats(rounds=4, accepted_tokens=5, rejected_rounds=2, mean_k=2.0,
+                                                cache_misses=misses, undrafted_rounds=undrafted)
+            return SimpleNamespace(token_ids=[1] * 9, stats=stats, acceptance_rate=0.7)
+
+    tally = TandemTally()
+    for name in ("p1", "p2", "p3"):
+        tally.time(Client(), name, [1, 2], 9)
+    result = tally.result()
+    assert (result.cache_misses, result.undrafted_rounds, result.prompts, result.tokens) == (3, 1, 3, 27)
+
+
 def test_theory_tokens_per_round_averages_tau_over_the_block_lengths():
     from bench.common import theory_tokens_per_round
     from orchestrator.policy import expected_tokens_per_round as tau

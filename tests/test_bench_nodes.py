@@ -38,6 +38,8 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
         passes = 2 if name.startswith("f_") else 1  # (f) runs beside each of the two (g) configurations
         assert mode["prompts"] == 2 and mode["tokens"] == 24 * passes, name
         assert mode["identical"] == 2, name  # greedy, float32: every mode's tokens are the target alone's
+        if name[0] in "bcdg":  # Tandem's modes: no re-sync, no round without the draft
+            assert mode["cache_misses"] == mode["undrafted_rounds"] == 0, name
         assert mode["tok_s"] > 0, name
     for key in ("speedup_pipelined_vs_target_one_node", "speedup_pipelined_vs_sequential",
                 "speedup_whole_machine_vs_hf_assisted"):
