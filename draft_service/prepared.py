@@ -57,9 +57,8 @@ class Overtaken(CacheMiss):
     """A pre-draft whose session had a fresh call after it arrived, on a history that parts from its own."""
 
     def __init__(self, session_id: str):
-        Exception.__init__(self, f"pre-draft of session {session_id} dropped: a later call of the session "
-                                 "reached the draft first")
-        self.expected = self.held = 0
+        super().__init__(session_id, 0, 0, f"pre-draft of session {session_id} dropped: a later call of the "
+                                           "session reached the draft first")
 
 
 def _fp_at(call: ProposeCall, length: int) -> int:
@@ -167,10 +166,7 @@ class Prepared:
         """The prepared reply for `call`, waited for; None when there is none,
         after cancelling a prepare that `call` does not match."""
         if not call.first_is_bonus_guess:
-            self._asked[call.session_id] = call.prefix_len + len(call.new_tokens)
-            self._asked.move_to_end(call.session_id)
-            while len(self._asked) > MAX_ASKED:
-                self._asked.popitem(last=False)
+            _remember(self._asked, call.session_id, call.prefix_len + len(call.new_tokens))
             self._note_fresh(call)
         pending = self._pending.pop(call.session_id, None)
         if pending is None:
@@ -190,10 +186,7 @@ class Prepared:
         return Taken(proposal, proposal.compute_ms + beyond_ms + max(0.0, after_ms))
 
     def _note_fresh(self, call: ProposeCall) -> None:
-        self._fresh[call.session_id] = (next(self._numbers), call)
-        self._fresh.move_to_end(call.session_id)
-        while len(self._fresh) > MAX_ASKED:
-            self._fresh.popitem(last=False)
+        _remember(self._fresh, call.session_id, (next(self._numbers), call))
 
     def last_fresh(self, session_id: str) -> int:
         """The number of the session's last fresh call, 0 for none: a pre-draft
@@ -220,6 +213,14 @@ class Prepared:
         self._drop(session_id)
         self._asked.pop(session_id, None)
         self._fresh.pop(session_id, None)
+
+
+def _remember(kept: OrderedDict, session_id: str, value) -> None:
+    """Keeps a session's latest value, the last MAX_ASKED sessions' at most."""
+    kept[session_id] = value
+    kept.move_to_end(session_id)
+    while len(kept) > MAX_ASKED:
+        kept.popitem(last=False)
 
 
 async def _cancelled(task: asyncio.Task) -> None:

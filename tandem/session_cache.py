@@ -21,11 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class CacheMiss(Exception):
-    def __init__(self, session_id: str, expected: int, held: int):
-        super().__init__(
+    def __init__(self, session_id: str, expected: int, held: int, why: str | None = None):
+        super().__init__(why or (
             f"cache miss for session {session_id}: expected a prefix of {expected} tokens, "
             f"held {held} that do not match"
-        )
+        ))
         self.expected = expected
         self.held = held
 

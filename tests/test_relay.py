@@ -4,6 +4,7 @@ and Redis: outputs stay exactly the target's, the drafts after rejections are
 the relayed ones, and a prepare that does not fit is never used."""
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 
@@ -181,13 +182,18 @@ def _until(condition, what: str) -> None:
         time.sleep(0.005)
 
 
+@contextlib.contextmanager
 def _held(cluster):
-    """The draft's worker held (the gate to set, and the hold to wait for after)."""
+    """The draft's worker held until the block ends (or the gate it yields is set)."""
     gate = threading.Event()
     worker = cluster.draft.worker
     holding = asyncio.run_coroutine_threadsafe(worker.run(gate.wait), cluster.loop)
-    _until(lambda: worker.queue_depth == 1, "the worker was not held")
-    return gate, holding
+    try:
+        _until(lambda: worker.queue_depth == 1, "the worker was not held")
+        yield gate
+    finally:
+        gate.set()
+        holding.result(30)
 
 
 def _pre_draft_after_the_later_call(cluster, session: str, batched: bool) -> None:
@@ -196,25 +202,24 @@ def _pre_draft_after_the_later_call(cluster, session: str, batched: bool) -> Non
     runs first, then the pre-draft's turn comes."""
     calls = DraftCalls(cluster)
     draft = cluster.draft
-    gate = holding = None
     try:
         block = list(calls.propose(_request(session, [], PROMPT, 1)).tokens)  # holds PROMPT
-        gate, holding = _held(cluster)
-        if batched:  # another session's call: a batch that runs after the gate, so the two below wait together
-            other = calls.propose_later(_request(f"{session}-other", [], PROMPT[:4], 2))  # no prefill chunk
-            _until(lambda: draft.worker.queue_depth == 2, "the other session's batch never queued")
-        # Beside the verify of `block`: the pre-draft that assumes it accepted.
-        pre = calls.propose_later(draft_pb2.ProposeRequest(
-            session_id=session, new_tokens=block, num_tokens=3, first_is_bonus_guess=True,
-            prefix=common_pb2.PrefixRef(length=len(PROMPT), fingerprint=fingerprint.of(PROMPT))))
-        waiting = (lambda n: draft.batcher.waiting == n) if batched else (lambda n: draft.worker.queue_depth == n + 1)
-        _until(lambda: waiting(1), "the pre-draft never queued")
-        # The target rejected the block and took another token: the draft after that verdict.
-        verdict = block[0] % 120 + 1
-        after = calls.propose_later(_request(session, PROMPT, [verdict], 3))
-        _until(lambda: waiting(2), "the draft after the verdict never queued")
-        gate.set()
-        overtaken = draft.prepared.overtaken
+        with _held(cluster):
+            if batched:  # another session's call: a batch that runs after the gate, so the two below wait together
+                other = calls.propose_later(_request(f"{session}-other", [], PROMPT[:4], 2))  # no prefill chunk
+                _until(lambda: draft.worker.queue_depth == 2, "the other session's batch never queued")
+            # Beside the verify of `block`: the pre-draft that assumes it accepted.
+            pre = calls.propose_later(draft_pb2.ProposeRequest(
+                session_id=session, new_tokens=block, num_tokens=3, first_is_bonus_guess=True,
+                prefix=common_pb2.PrefixRef(length=len(PROMPT), fingerprint=fingerprint.of(PROMPT))))
+            waiting = ((lambda n: draft.batcher.waiting == n) if batched
+                       else (lambda n: draft.worker.queue_depth == n + 1))
+            _until(lambda: waiting(1), "the pre-draft never queued")
+            # The target rejected the block and took another token: the draft after that verdict.
+            verdict = block[0] % 120 + 1
+            after = calls.propose_later(_request(session, PROMPT, [verdict], 3))
+            _until(lambda: waiting(2), "the draft after the verdict never queued")
+            overtaken = draft.prepared.overtaken
         drafted = list(after.result(60).tokens)
         with pytest.raises(grpc.aio.AioRpcError) as missed:
             pre.result(60)
@@ -227,9 +232,6 @@ def _pre_draft_after_the_later_call(cluster, session: str, batched: bool) -> Non
         history = PROMPT + [verdict] + drafted[:-1]
         assert len(calls.propose(_request(session, history, drafted[-1:] + [7], 2)).tokens) == 2
     finally:
-        if holding is not None:
-            gate.set()
-            holding.result(30)
         calls.close()
 
 
@@ -264,24 +266,22 @@ def test_a_bonus_call_that_a_later_call_on_a_history_it_extends_overtook_still_r
     it, as it would have alone: the same tokens, and its cache for the next call."""
     calls = DraftCalls(relay_cluster)
     turn = [3, 4, 5]
-    gate = holding = None
+    worker = relay_cluster.draft.worker
+
+    def first_call(session):
+        return draft_pb2.ProposeRequest(
+            session_id=session, new_tokens=turn, num_tokens=3, first_is_bonus_guess=True,
+            prefix=common_pb2.PrefixRef(length=len(PROMPT), fingerprint=fingerprint.of(PROMPT)))
+
     try:
         for session in ("extended", "extended-alone"):
             calls.propose(_request(session, [], PROMPT, 2))  # holds PROMPT and a drafted token
         overtaken = relay_cluster.draft.prepared.overtaken
-        gate, holding = _held(relay_cluster)
-        worker = relay_cluster.draft.worker
-
-        def first_call(session):
-            return draft_pb2.ProposeRequest(
-                session_id=session, new_tokens=turn, num_tokens=3, first_is_bonus_guess=True,
-                prefix=common_pb2.PrefixRef(length=len(PROMPT), fingerprint=fingerprint.of(PROMPT)))
-
-        first = calls.propose_later(first_call("extended"))
-        _until(lambda: worker.queue_depth == 2, "the turn's call never queued")
-        relayed = calls.propose_later(_request("extended", PROMPT[:-1], PROMPT[-1:], 2))
-        _until(lambda: worker.queue_depth == 3, "the relayed draft never queued")
-        gate.set()
+        with _held(relay_cluster):
+            first = calls.propose_later(first_call("extended"))
+            _until(lambda: worker.queue_depth == 2, "the turn's call never queued")
+            relayed = calls.propose_later(_request("extended", PROMPT[:-1], PROMPT[-1:], 2))
+            _until(lambda: worker.queue_depth == 3, "the relayed draft never queued")
         relayed.result(60)
         drafted = list(first.result(60).tokens)
         assert relay_cluster.draft.prepared.overtaken == overtaken
@@ -289,9 +289,6 @@ def test_a_bonus_call_that_a_later_call_on_a_history_it_extends_overtook_still_r
         history = PROMPT + turn + drafted[:-1]
         assert len(calls.propose(_request("extended", history, drafted[-1:] + [7], 2)).tokens) == 2
     finally:
-        if holding is not None:
-            gate.set()
-            holding.result(30)
         calls.close()
 
 
