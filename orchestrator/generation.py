@@ -299,6 +299,7 @@ class Generation:
                 undrafted_rounds=stats.undrafted_rounds,
                 relayed_drafts=stats.relayed_drafts,
                 alternative_hits=stats.alternative_hits,
+                draft_distribution_bytes=stats.distribution_bytes,
                 seed=params.sampling.seed,
                 total_ms=(time.perf_counter() - started) * 1e3,
                 first_token_ms=first_token_ms,
@@ -413,6 +414,7 @@ class RequestMetrics:
         i.predraft_hits.add(stats.predraft_hits)
         i.undrafted_rounds.add(stats.undrafted_rounds)
         i.alternative_rounds.add(stats.alternative_hits)
+        i.draft_distribution_bytes.add(stats.distribution_bytes)
 
 
 def _reason(finish) -> str:

@@ -95,10 +95,13 @@ class Pairing:
     def _mismatch(self, draft) -> str | None:
         """Why `draft` cannot be paired with the target, or None."""
         target = self.target_info
-        if draft.tokenizer_fingerprint == target.tokenizer_fingerprint:
-            return None
-        return (f"draft {draft.model_id!r} and target {target.model_id!r} do not share a tokenizer "
-                f"(fingerprints {draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]})")
+        if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+            return (f"draft {draft.model_id!r} and target {target.model_id!r} do not share a tokenizer "
+                    f"(fingerprints {draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]})")
+        if draft.wire_version != target.wire_version:
+            return (f"the draft service speaks wire version {draft.wire_version} and the target service "
+                    f"{target.wire_version} (ModelInfo.wire_version): run the same Tandem release on both")
+        return None
 
     async def _pair_draft_later(self) -> None:
         """Asks the draft service for its model every PAIR_POLL_S until it

@@ -73,13 +73,14 @@ def copy_id(source_cache_id: str) -> str:
 
 
 def identity(info: common_pb2.ModelInfo) -> tuple:
-    """What replicas of one service must share: the model, its tokenizer, its shape."""
-    return info.model_id, info.tokenizer_fingerprint, info.vocab_size, info.max_context
+    """What replicas of one service must share: the model, its tokenizer, its
+    shape, and what its messages mean (wire_version)."""
+    return info.model_id, info.tokenizer_fingerprint, info.vocab_size, info.max_context, info.wire_version
 
 
 def _describe(info: common_pb2.ModelInfo) -> str:
     return (f"{info.model_id!r} (tokenizer {info.tokenizer_fingerprint[:12]}, vocab {info.vocab_size}, "
-            f"context {info.max_context})")
+            f"context {info.max_context}, wire version {info.wire_version})")
 
 
 async def resolve(host: str, port: int) -> list[str]:

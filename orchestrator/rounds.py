@@ -27,6 +27,7 @@ class RoundStats:
     undrafted_rounds: int = 0  # rounds on the target alone: the draft service was unavailable
     relayed_drafts: int = 0  # blocks drafted after a verify whose drafting the target's relay began
     alternative_hits: int = 0  # rounds that took an alternative verified beside the block (a tree)
+    distribution_bytes: int = 0  # under sampling: the draft distributions forwarded to the target, serialized
     overhead_ms: list[float] = field(default_factory=list)
     overhead_predrafted_ms: list[float] = field(default_factory=list)  # the next block was pre-drafted
     overhead_drafted_after_ms: list[float] = field(default_factory=list)  # it was drafted after the reply
@@ -41,6 +42,7 @@ class RoundStats:
         self.rounds += 1
         self.tokens_per_round.append(result.accepted + 1 + len(result.more_tokens))
         self.alternative_hits += bool(result.more_tokens)
+        self.distribution_bytes += sum(d.ByteSize() for d in block.distributions)
         self.drafted += k
         self.accepted += result.accepted
         self.rejected_rounds += result.accepted < k

@@ -162,40 +162,48 @@ def sample(probs: torch.Tensor, u: float) -> int:
 
 
 def encode_distribution(dist: torch.Tensor) -> common_pb2.Distribution:
-    """[vocab] probabilities → Distribution, sparse when under a quarter is non-zero."""
+    """[vocab] probabilities → Distribution: sparse (ids and probabilities as
+    packed bytes) when under half the entries are non-zero, else dense."""
     assert dist.ndim == 1, dist.shape
     dist = dist.detach().float().cpu()
+    vocab = dist.shape[0]
     nonzero = torch.nonzero(dist, as_tuple=True)[0]
-    if len(nonzero) * 4 < dist.shape[0]:
+    if 2 * len(nonzero) < vocab:
         return common_pb2.Distribution(
-            ids=nonzero.tolist(), probs=dist[nonzero].tolist(), vocab_size=dist.shape[0]
+            sparse_ids_i32=nonzero.numpy().astype("<i4").tobytes(),
+            sparse_probs_f32=dist[nonzero].numpy().astype("<f4").tobytes(), vocab_size=vocab,
         )
-    return common_pb2.Distribution(
-        dense_f32=dist.numpy().astype("<f4").tobytes(), vocab_size=dist.shape[0]
-    )
+    return common_pb2.Distribution(dense_f32=dist.numpy().astype("<f4").tobytes(), vocab_size=vocab)
 
 
 def decode_distribution(msg: common_pb2.Distribution) -> torch.Tensor:
     """Distribution → [vocab_size] probabilities; raises ValueError (with words)
-    on a malformed one: a dense length other than vocab_size, ids outside
-    [0, vocab_size), ids and probs of different lengths, or probabilities that
-    are negative or not finite."""
+    on a malformed one: neither form or both, a dense length other than
+    vocab_size, sparse ids and probabilities of different counts or ids
+    outside [0, vocab_size), or probabilities that are negative or not
+    finite."""
     if msg.vocab_size < 1:
         raise ValueError(f"a distribution needs vocab_size >= 1, got {msg.vocab_size}")
+    sparse = bool(msg.sparse_ids_i32 or msg.sparse_probs_f32)
+    if bool(msg.dense_f32) == sparse:
+        raise ValueError("a distribution needs exactly one form: dense_f32, or sparse_ids_i32 with sparse_probs_f32")
     if msg.dense_f32:
         if len(msg.dense_f32) != 4 * msg.vocab_size:
             raise ValueError(f"a dense distribution of vocab_size {msg.vocab_size} has {4 * msg.vocab_size} "
                              f"bytes, got {len(msg.dense_f32)}")
-        dist = torch.from_numpy(np.frombuffer(msg.dense_f32, dtype="<f4").copy())
+        values = np.frombuffer(msg.dense_f32, dtype="<f4")
     else:
-        if len(msg.ids) != len(msg.probs):
-            raise ValueError(f"a sparse distribution has {len(msg.ids)} ids and {len(msg.probs)} probs")
-        dist = torch.zeros(msg.vocab_size, dtype=torch.float32)
-        if msg.ids:
-            ids = torch.tensor(list(msg.ids), dtype=torch.long)
-            if int(ids.min()) < 0 or int(ids.max()) >= msg.vocab_size:
-                raise ValueError(f"a sparse distribution has ids outside [0, {msg.vocab_size})")
-            dist[ids] = torch.tensor(list(msg.probs), dtype=torch.float32)
-    if not bool(torch.isfinite(dist).all()) or bool((dist < 0).any()):
+        if len(msg.sparse_ids_i32) % 4 or len(msg.sparse_ids_i32) != len(msg.sparse_probs_f32):
+            raise ValueError(f"a sparse distribution has {len(msg.sparse_ids_i32)} bytes of ids and "
+                             f"{len(msg.sparse_probs_f32)} of probabilities: 4 bytes each, as many of both")
+        ids = np.frombuffer(msg.sparse_ids_i32, dtype="<i4")
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= msg.vocab_size):
+            raise ValueError(f"a sparse distribution has ids outside [0, {msg.vocab_size})")
+        values = np.frombuffer(msg.sparse_probs_f32, dtype="<f4")
+    if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError("a distribution has negative or non-finite probabilities")
+    if msg.dense_f32:
+        return torch.from_numpy(values.astype(np.float32))  # a copy: the message's bytes are read-only
+    dist = torch.zeros(msg.vocab_size, dtype=torch.float32)
+    dist[torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(values.astype(np.float32))
     return dist

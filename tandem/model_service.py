@@ -18,6 +18,7 @@ from tandem.grammar import GrammarMasks, GrammarUnavailable
 from tandem.modeling import LoadedModel
 from tandem.session_cache import SessionCache, SessionCacheStore
 from tandem.v1 import common_pb2
+from tandem.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +261,7 @@ class ModelServiceBase:
             threads=torch.get_num_threads(),
             tree_width=self.tree_width,
             prefill_chunk=self.prefill_chunk if self.feeds_ahead else 0,
+            wire_version=WIRE_VERSION,
         )
 
     def _param_attr(self, name: str, default: str) -> str:

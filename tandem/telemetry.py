@@ -141,6 +141,8 @@ class Instruments:
             "(orchestrator.replicas)"))
         self.alternative_rounds = counter("tandem.rounds.alternative", "{round}",
                                           "rounds that took an alternative verified beside their block (--tree-width)")
+        self.draft_distribution_bytes = counter("tandem.draft_distribution_bytes", "By", (
+            "bytes of draft distributions forwarded to the target under sampling (serialized; none under greedy)"))
         # orchestrator: per-round and per-request distributions
         self.tokens_per_round = histogram("tandem.tokens_per_round", "{token}", "tokens committed by a round",
                                           explicit_bucket_boundaries_advisory=TOKENS_BUCKETS)

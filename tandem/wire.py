@@ -6,6 +6,11 @@ from __future__ import annotations
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2
 
+# What the model calls' messages mean (ModelInfo.wire_version): raised when a
+# field's meaning changes in a way an older reader would misread rather than
+# ignore. 2: draft distributions' sparse form as packed bytes (fields 5 and 6).
+WIRE_VERSION = 2
+
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, masks=None) -> SamplingParams:
     """Raises ValueError on out-of-range values. masks: the service's

@@ -2,6 +2,8 @@
 seed gives the same tokens with the pipeline on or off."""
 import pytest
 
+from tests.conftest import TINY_VOCAB
+
 PROMPT = [9, 8, 7, 6, 5, 4]
 
 
@@ -24,7 +26,14 @@ def test_sampling_with_draft_equal_target_accepts_everything(same_cluster):
     """p/q = 1 for every draft token: the rule must accept all of them."""
     with same_cluster.client() as client:
         result = client.generate(prompt_ids=PROMPT, max_tokens=24, temperature=0.8, seed=5, num_draft_tokens=4)
-    assert result.stats.accepted_tokens == result.stats.drafted_tokens > 0
+        greedy = client.generate(prompt_ids=PROMPT, max_tokens=24, num_draft_tokens=4)
+    stats = result.stats
+    assert stats.accepted_tokens == stats.drafted_tokens > 0
+    # Each drafted token's distribution went to the target, dense here (every
+    # token has some probability): 4 bytes an entry and a few of framing.
+    assert 4 * TINY_VOCAB * stats.drafted_tokens <= stats.draft_distribution_bytes
+    assert stats.draft_distribution_bytes <= (4 * TINY_VOCAB + 16) * stats.drafted_tokens
+    assert greedy.stats.drafted_tokens > 0 and greedy.stats.draft_distribution_bytes == 0  # token ids only
 
 
 def test_a_seed_fixes_the_tokens_under_an_adaptive_server(tiny_models):

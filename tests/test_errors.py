@@ -75,6 +75,27 @@ def test_mismatched_model_pair_is_refused(tiny_models):
         cluster.stop()
 
 
+def test_a_draft_of_another_wire_version_is_refused(tiny_models):
+    """A target that read another revision's draft distributions would sample
+    from the wrong residual without a word: the orchestrator pairs the two
+    services only where their ModelInfo.wire_version is the same."""
+    from tandem.wire import WIRE_VERSION
+
+    cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_fallback=False)
+    try:
+        info = cluster.draft.model_info()
+        assert info.wire_version == WIRE_VERSION == cluster.target.model_info().wire_version
+        info.wire_version = 0  # as a service built before the field reports
+        cluster.draft.model_info = lambda: info
+        with cluster.client() as client:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate(prompt_ids=PROMPT, max_tokens=2)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"wire version 0 and the target service {WIRE_VERSION}" in refused.value.details()
+    finally:
+        cluster.stop()
+
+
 def test_a_target_tokenizer_the_orchestrator_cannot_load_is_refused(tiny_models, tmp_path):
     """The target's --model names a directory the orchestrator's machine may not
     have: serving token ids only, silently, would refuse every text request."""
@@ -108,17 +129,29 @@ def _dense(values, vocab_size=TINY_VOCAB):
     return common_pb2.Distribution(dense_f32=np.asarray(values, dtype="<f4").tobytes(), vocab_size=vocab_size)
 
 
-ONE_HOT_5 = common_pb2.Distribution(ids=[5], probs=[1.0], vocab_size=TINY_VOCAB)
+def _sparse(ids, probs, vocab_size=TINY_VOCAB):
+    return common_pb2.Distribution(sparse_ids_i32=np.asarray(ids, dtype="<i4").tobytes(),
+                                   sparse_probs_f32=np.asarray(probs, dtype="<f4").tobytes(), vocab_size=vocab_size)
+
+
+ONE_HOT_5 = _sparse([5], [1.0])
 BAD_DRAFT_DISTRIBUTIONS = [  # (draft_distributions, draft_probs) for the draft tokens [5, 6]
     ([ONE_HOT_5, common_pb2.Distribution(dense_f32=b"\0" * 5, vocab_size=TINY_VOCAB)], [1.0, 1.0]),  # 5 bytes
-    ([ONE_HOT_5, common_pb2.Distribution(ids=[6, 7], probs=[1.0], vocab_size=TINY_VOCAB)], [1.0, 1.0]),
-    ([ONE_HOT_5, common_pb2.Distribution(ids=[500], probs=[1.0], vocab_size=TINY_VOCAB)], [1.0, 1.0]),
-    ([ONE_HOT_5, common_pb2.Distribution(ids=[-1], probs=[1.0], vocab_size=TINY_VOCAB)], [1.0, 1.0]),
-    ([ONE_HOT_5, common_pb2.Distribution(ids=[6], probs=[1.0], vocab_size=0)], [1.0, 1.0]),
-    ([ONE_HOT_5, common_pb2.Distribution(ids=[6], probs=[1.0], vocab_size=64)], [1.0, 1.0]),  # sizes differ
-    ([ONE_HOT_5, common_pb2.Distribution(ids=[6], probs=[float("nan")], vocab_size=TINY_VOCAB)], [1.0, 1.0]),
+    ([ONE_HOT_5, _sparse([6, 7], [1.0])], [1.0, 1.0]),  # two ids, one probability
+    ([ONE_HOT_5, common_pb2.Distribution(sparse_ids_i32=b"\6\0\0", sparse_probs_f32=b"\0\0\x80",
+                                         vocab_size=TINY_VOCAB)], [1.0, 1.0]),  # 3 bytes each
+    ([ONE_HOT_5, _sparse([500], [1.0])], [1.0, 1.0]),
+    ([ONE_HOT_5, _sparse([-1], [1.0])], [1.0, 1.0]),
+    ([ONE_HOT_5, _sparse([6], [1.0], vocab_size=0)], [1.0, 1.0]),
+    ([ONE_HOT_5, _sparse([6], [1.0], vocab_size=64)], [1.0, 1.0]),  # sizes differ
+    ([ONE_HOT_5, _sparse([6], [float("nan")])], [1.0, 1.0]),
     ([ONE_HOT_5, _dense([-1.0] + [0.0] * (TINY_VOCAB - 1))], [1.0, 1.0]),
-    ([common_pb2.Distribution(ids=[5], probs=[1.0], vocab_size=6)] * 2, [1.0, 1.0]),  # token 6 outside them
+    ([ONE_HOT_5, common_pb2.Distribution(vocab_size=TINY_VOCAB)], [1.0, 1.0]),  # neither form
+    ([ONE_HOT_5, common_pb2.Distribution(dense_f32=_dense([1.0] + [0.0] * (TINY_VOCAB - 1)).dense_f32,
+                                         sparse_ids_i32=ONE_HOT_5.sparse_ids_i32,
+                                         sparse_probs_f32=ONE_HOT_5.sparse_probs_f32, vocab_size=TINY_VOCAB)],
+     [1.0, 1.0]),  # both forms
+    ([_sparse([5], [1.0], vocab_size=6)] * 2, [1.0, 1.0]),  # token 6 outside them
     ([ONE_HOT_5, ONE_HOT_5], [1.0, 1.5]),  # a probability above 1
 ]
 

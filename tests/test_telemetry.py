@@ -189,7 +189,8 @@ def test_metrics_port_serves_prometheus_text(same_cluster):
                  "tandem_session_cache_hits_total", "tandem_session_cache_misses_total",
                  "tandem_session_cache_evictions_total", "tandem_worker_queue_depth", "tandem_sessions_active", "tandem_worker_busy_",
                  "tandem_session_cache_forks_total", "tandem_verify_batches_total", "tandem_verify_batched_total",
-                 "tandem_service_prefill_chunks_total", 'service_name="tandem-orchestrator"'):
+                 "tandem_service_prefill_chunks_total", "tandem_draft_distribution_bytes_total",
+                 'service_name="tandem-orchestrator"'):
         assert name in text
     (accepted,) = [line for line in text.splitlines() if line.startswith("tandem_accepted_tokens_total{")]
     assert float(accepted.rsplit(" ", 1)[1]) == stats.accepted_tokens

@@ -1,0 +1,99 @@
+"""Draft distributions on the wire (common.proto Distribution): what the
+target decodes is exactly what the draft encoded, in the smaller of the two
+forms, and a malformed one is refused with words."""
+import numpy as np
+import pytest
+import torch
+
+from tandem.distributions import decode_distribution, encode_distribution, logits_to_probs
+from tandem.sampling import SamplingParams
+from tandem.v1 import common_pb2
+
+VOCAB = 151_936  # the default pair's
+
+
+def _reduced_head(subset: int, seed: int = 0) -> torch.Tensor:
+    """A draft distribution that is zero outside a subset of the vocabulary,
+    as a reduced head's (--vocab-subset) is."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.full((VOCAB,), float("-inf"))
+    subset_ids = torch.randperm(VOCAB, generator=generator)[:subset]
+    logits[subset_ids] = torch.randn(subset, generator=generator) * 3
+    return torch.softmax(logits, dim=0)
+
+
+@pytest.mark.parametrize("make, form", [
+    (lambda: _reduced_head(32_768), "sparse"),
+    (lambda: torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 3, dim=0), "dense"),
+    (lambda: logits_to_probs(torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2)),
+                             SamplingParams(temperature=0.7, top_p=0.9))[0], "sparse"),  # after top-p
+    (lambda: torch.nn.functional.one_hot(torch.tensor(7), VOCAB).float(), "sparse"),
+])
+def test_a_distribution_crosses_the_wire_bit_for_bit_in_the_smaller_form(make, form):
+    dist = make()
+    msg = common_pb2.Distribution.FromString(encode_distribution(dist).SerializeToString())
+    assert ("sparse" if msg.sparse_ids_i32 else "dense") == form
+    assert bool(msg.dense_f32) != bool(msg.sparse_ids_i32)
+    decoded = decode_distribution(msg)
+    assert decoded.dtype == torch.float32 and decoded.shape == (VOCAB,)
+    assert torch.equal(decoded, dist.float())  # exact: the residual draw depends on every entry
+    nonzero = int((dist > 0).sum())
+    assert msg.ByteSize() <= min(8 * nonzero, 4 * VOCAB) + 32  # never more than the smaller form, plus framing
+
+
+def test_a_decoded_distribution_is_its_own_writable_tensor():
+    msg = encode_distribution(torch.softmax(torch.randn(64), dim=0))
+    decoded = decode_distribution(msg)
+    decoded[0] = 5.0  # the message's bytes are read-only; the tensor is not a view of them
+    assert decode_distribution(msg)[0] != 5.0
+
+
+def _raw(**fields) -> common_pb2.Distribution:
+    return common_pb2.Distribution(**fields)
+
+
+def _ids(*ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def _probs(*probs) -> bytes:
+    return np.asarray(probs, dtype="<f4").tobytes()
+
+
+@pytest.mark.parametrize("msg, words", [
+    (_raw(vocab_size=8), "exactly one form"),
+    (_raw(dense_f32=_probs(*[0.125] * 8), sparse_ids_i32=_ids(1), sparse_probs_f32=_probs(1.0), vocab_size=8),
+     "exactly one form"),
+    (_raw(sparse_ids_i32=_ids(1), vocab_size=8), "as many of both"),
+    (_raw(sparse_ids_i32=_ids(1, 2), sparse_probs_f32=_probs(1.0), vocab_size=8), "as many of both"),
+    (_raw(sparse_ids_i32=b"\1\0\0", sparse_probs_f32=b"\0\0\x80", vocab_size=8), "4 bytes each"),
+    (_raw(sparse_ids_i32=_ids(8), sparse_probs_f32=_probs(1.0), vocab_size=8), "outside [0, 8)"),
+    (_raw(sparse_ids_i32=_ids(-1), sparse_probs_f32=_probs(1.0), vocab_size=8), "outside [0, 8)"),
+    (_raw(sparse_ids_i32=_ids(1), sparse_probs_f32=_probs(float("inf")), vocab_size=8), "non-finite"),
+    (_raw(dense_f32=_probs(*[0.125] * 7), vocab_size=8), "has 32 bytes, got 28"),
+    (_raw(dense_f32=_probs(-0.5, *[0.25] * 6, 0.0), vocab_size=8), "negative"),
+    (_raw(sparse_ids_i32=_ids(1), sparse_probs_f32=_probs(1.0)), "vocab_size >= 1"),
+])
+def test_a_malformed_distribution_is_refused_with_words(msg, words):
+    with pytest.raises(ValueError) as info:
+        decode_distribution(msg)
+    assert words in str(info.value)
+
+
+def test_the_sampling_probe_runs_on_the_tiny_pair_and_counts_the_bytes_only_sampling_sends(char_models, tmp_path):
+    """bench.sampling_probe on the tiny pair: real processes; greedy requests
+    forward no distribution, sampled ones every drafted token's."""
+    import json
+
+    from bench.sampling_probe import main
+
+    out = tmp_path / "sampling_probe.json"
+    assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
+                 "--dtype", "float32", "--prompts", "code-1,prose-1", "--new-tokens", "12", "--reps", "1",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    greedy, sampled = result["modes"]["greedy"], result["modes"]["sampled"]
+    assert greedy["requests"] == sampled["requests"] == 2
+    assert greedy["distribution_bytes_per_round"] == 0 < sampled["distribution_bytes_per_round"]
+    assert all(run["tokens"] == 12 for runs in result["runs"].values() for run in runs)
+    assert greedy["tok_s"] > 0 and sampled["tok_s"] > 0 and result["sampling"]["temperature"] == 0.8
