@@ -34,7 +34,8 @@ def _one(client: TandemClient, prompt: str, new_tokens: int, params: dict) -> di
             "accepted": stats.accepted_tokens, "rejected_rounds": stats.rejected_rounds,
             "overhead_ms_p50": stats.overhead_ms_p50, "in_services_ms_p50": stats.overhead_in_services_ms_p50,
             "verify_ms_p50": stats.verify_ms_p50, "draft_step_ms_p50": stats.draft_step_ms_p50,
-            "distribution_bytes": stats.draft_distribution_bytes, "ids": list(result.token_ids)}
+            "distribution_bytes": stats.draft_distribution_bytes, "predraft_hits": stats.predraft_hits,
+            "predraft_attempts": stats.predraft_attempts, "mean_k": stats.mean_k, "ids": list(result.token_ids)}
 
 
 def run(address: str, prompts: dict[str, str], new_tokens: int, reps: int, sampling: dict) -> dict:
@@ -67,6 +68,8 @@ def run(address: str, prompts: dict[str, str], new_tokens: int, reps: int, sampl
             "acceptance_rate": accepted / max(1, accepted + sum(r["rejected_rounds"] for r in rows)),
             "tokens_per_round": sum(r["tokens"] for r in rows) / max(1, rounds),
             "distribution_bytes_per_round": sum(r["distribution_bytes"] for r in rows) / max(1, rounds),
+            "predraft_hit_rate": sum(r["predraft_hits"] for r in rows) / max(1, sum(r["predraft_attempts"] for r in rows)),
+            "mean_k": sum(r["mean_k"] * r["rounds"] for r in rows) / max(1, rounds),
             "requests": len(rows),
         }
     return {"modes": summary,
@@ -96,10 +99,12 @@ def main(argv=None) -> int:
         result = run(deployment.address, prompts, args.new_tokens, args.reps, sampling)
     result.update(**pair_record(args), new_tokens=args.new_tokens, sampling=sampling, machine=machine())
     write(args.out, result)
-    print(f"{'mode':<8} {'tok/s':>7} {'overhead ms p50':>16} {'in services':>12} {'bytes/round':>12} {'alpha':>6}")
+    print(f"{'mode':<8} {'tok/s':>7} {'overhead ms p50':>16} {'in services':>12} {'bytes/round':>12} {'alpha':>6} "
+          f"{'mean k':>7} {'pre-draft hits':>15}")
     for mode, row in result["modes"].items():
         print(f"{mode:<8} {row['tok_s']:7.2f} {row['overhead_ms_p50']:16.2f} {row['in_services_ms_p50']:12.2f} "
-              f"{row['distribution_bytes_per_round']:12.0f} {row['acceptance_rate']:6.3f}")
+              f"{row['distribution_bytes_per_round']:12.0f} {row['acceptance_rate']:6.3f} {row['mean_k']:7.2f} "
+              f"{row['predraft_hit_rate']:15.3f}")
     return 0
 
 

@@ -97,3 +97,4 @@ def test_the_sampling_probe_runs_on_the_tiny_pair_and_counts_the_bytes_only_samp
     assert greedy["distribution_bytes_per_round"] == 0 < sampled["distribution_bytes_per_round"]
     assert all(run["tokens"] == 12 for runs in result["runs"].values() for run in runs)
     assert greedy["tok_s"] > 0 and sampled["tok_s"] > 0 and result["sampling"]["temperature"] == 0.8
+    assert all(0 <= mode["predraft_hit_rate"] <= 1 and mode["mean_k"] > 0 for mode in (greedy, sampled))
