@@ -8,7 +8,9 @@ from tandem.v1 import common_pb2
 
 # What the model calls' messages mean (ModelInfo.wire_version): raised when a
 # field's meaning changes in a way an older reader would misread rather than
-# ignore. 2: draft distributions' sparse form as packed bytes (fields 5 and 6).
+# ignore. 1: the first, whose draft distributions' sparse form was repeated
+# numbers (Distribution fields 2 and 3); its services report none, which reads
+# as 0. 2: that form as packed bytes (fields 5 and 6).
 WIRE_VERSION = 2
 
 
