@@ -179,9 +179,9 @@ def encode_distribution(dist: torch.Tensor) -> common_pb2.Distribution:
 def decode_distribution(msg: common_pb2.Distribution) -> torch.Tensor:
     """Distribution → [vocab_size] probabilities; raises ValueError (with words)
     on a malformed one: neither form or both, a dense length other than
-    vocab_size, sparse ids and probabilities of different counts or ids
-    outside [0, vocab_size), or probabilities that are negative or not
-    finite."""
+    vocab_size, sparse ids and probabilities of different counts, ids that do
+    not ascend or lie outside [0, vocab_size), or probabilities that are
+    negative or not finite."""
     if msg.vocab_size < 1:
         raise ValueError(f"a distribution needs vocab_size >= 1, got {msg.vocab_size}")
     sparse = bool(msg.sparse_ids_i32 or msg.sparse_probs_f32)
@@ -197,8 +197,10 @@ def decode_distribution(msg: common_pb2.Distribution) -> torch.Tensor:
             raise ValueError(f"a sparse distribution has {len(msg.sparse_ids_i32)} bytes of ids and "
                              f"{len(msg.sparse_probs_f32)} of probabilities: 4 bytes each, as many of both")
         ids = np.frombuffer(msg.sparse_ids_i32, dtype="<i4")
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= msg.vocab_size):
+        if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= msg.vocab_size):
             raise ValueError(f"a sparse distribution has ids outside [0, {msg.vocab_size})")
+        if (np.diff(ids) <= 0).any():  # so each id comes once
+            raise ValueError("a sparse distribution's ids must ascend")
         values = np.frombuffer(msg.sparse_probs_f32, dtype="<f4")
     if not np.isfinite(values).all() or (values < 0).any():
         raise ValueError("a distribution has negative or non-finite probabilities")
