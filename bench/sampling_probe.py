@@ -1,6 +1,8 @@
 """What sampling costs a round beside greedy decoding: one deployment of the
 pair, the same prompts decoded greedy and sampled (temperature, a seed per
-request), alternating, side by side in one run.
+request), alternating, side by side in one run; before it, the target alone
+(Hugging Face's generate on the kernels the target service would use, one
+pass over the prompts), greedy and sampled alike, for Tandem's speedup in each.
 
 Under sampling every drafted token's draft distribution goes from the draft
 to the orchestrator and on to the target (DESIGN §4), which checks it and
@@ -11,16 +13,20 @@ distributions forwarded per round (SpeculationStats.draft_distribution_bytes).
 
     python -m bench.sampling_probe                     # the default pair, 4 prompts x 64 tokens, 2 reps
     python -m bench.sampling_probe --temperature 1.0 --top-p 0.9
+    python -m bench.sampling_probe --no-target-alone   # Tandem only
 
 Writes bench/results/sampling_probe.json."""
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import statistics
+import time
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, machine, pair_deployment, pair_flags, pair_record, parse_args, write
+from bench.common import (PROMPTS, RESULTS, cut, load_hf, machine, pair_deployment, pair_flags, pair_record,
+                          parse_args, resolve_dtype, write)
 from tandem.client import TandemClient
 
 log = logging.getLogger("bench.sampling_probe")
@@ -36,6 +42,46 @@ def _one(client: TandemClient, prompt: str, new_tokens: int, params: dict) -> di
             "verify_ms_p50": stats.verify_ms_p50, "draft_step_ms_p50": stats.draft_step_ms_p50,
             "distribution_bytes": stats.draft_distribution_bytes, "predraft_hits": stats.predraft_hits,
             "predraft_attempts": stats.predraft_attempts, "mean_k": stats.mean_k, "ids": list(result.token_ids)}
+
+
+def target_alone(target: str, dtype: str, prompts: dict[str, str], new_tokens: int, sampling: dict,
+                 threads: int) -> dict:
+    """Tokens/s of the target alone, greedy and sampled, one pass over the
+    prompts each (after an untimed warm-up), every request to new_tokens."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tandem.default_models import resolve_model
+
+    path = resolve_model(target)
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = load_hf(path, resolve_dtype(dtype))
+    ids = {name: tokenizer(prompt, return_tensors="pt").input_ids for name, prompt in prompts.items()}
+    modes = {"greedy": dict(do_sample=False),
+             "sampled": dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                             top_k=sampling["top_k"])}
+
+    def generate(x, count: int, params: dict) -> int:
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=count, min_new_tokens=count,
+                                 pad_token_id=tokenizer.eos_token_id, **params)
+        return out.shape[1] - x.shape[1]
+
+    result = {}
+    for mode, params in modes.items():
+        generate(next(iter(ids.values())), 8, params)  # warm-up
+        torch.manual_seed(0)
+        tokens, seconds = 0, 0.0
+        for name, x in ids.items():
+            start = time.perf_counter()
+            tokens += generate(x, new_tokens, params)
+            seconds += time.perf_counter() - start
+        result[mode] = {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
+        log.info("target alone, %s: %.2f tok/s", mode, tokens / seconds)
+    del model
+    gc.collect()
+    return result
 
 
 def run(address: str, prompts: dict[str, str], new_tokens: int, reps: int, sampling: dict) -> dict:
@@ -88,15 +134,24 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="sampled mode's temperature (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sampled mode's top_p (default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=0, help="sampled mode's top_k, 0 = off (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per service, and the target alone's (default: %(default)s)")
+    parser.add_argument("--no-target-alone", dest="target_alone", action="store_false",
+                        help="skip the target alone (Tandem's modes only)")
     parser.add_argument("--out", type=Path, default=RESULTS / "sampling_probe.json", help="JSON output path")
     args = parse_args(parser, argv)
     if args.temperature <= 0:
         parser.error("--temperature must be above 0: the sampled mode samples")
     prompts = {name: PROMPTS[name] for name in args.prompts.split(",")}
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    alone = (target_alone(args.target, args.dtype, prompts, args.new_tokens, sampling, args.threads)
+             if args.target_alone else None)
     with pair_deployment(args, ["--prefix-cache", "0"]) as deployment:  # each request prefills its prompt
         result = run(deployment.address, prompts, args.new_tokens, args.reps, sampling)
+    if alone is not None:
+        result["target_alone"] = alone
+        result["speedup_vs_target_alone"] = {mode: result["modes"][mode]["tok_s"] / alone[mode]["tok_s"]
+                                             for mode in MODES}
     result.update(**pair_record(args), new_tokens=args.new_tokens, sampling=sampling, machine=machine())
     write(args.out, result)
     print(f"{'mode':<8} {'tok/s':>7} {'overhead ms p50':>16} {'in services':>12} {'bytes/round':>12} {'alpha':>6} "
@@ -105,6 +160,10 @@ def main(argv=None) -> int:
         print(f"{mode:<8} {row['tok_s']:7.2f} {row['overhead_ms_p50']:16.2f} {row['in_services_ms_p50']:12.2f} "
               f"{row['distribution_bytes_per_round']:12.0f} {row['acceptance_rate']:6.3f} {row['mean_k']:7.2f} "
               f"{row['predraft_hit_rate']:15.3f}")
+    if alone is not None:
+        print("over the target alone (cut): " + ", ".join(
+            f"{mode} {cut(result['speedup_vs_target_alone'][mode]):.2f}x ({alone[mode]['tok_s']:.2f} tok/s alone)"
+            for mode in MODES))
     return 0
 
 

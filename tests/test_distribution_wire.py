@@ -101,3 +101,7 @@ def test_the_sampling_probe_runs_on_the_tiny_pair_and_counts_the_bytes_only_samp
     assert all(run["tokens"] == 12 for runs in result["runs"].values() for run in runs)
     assert greedy["tok_s"] > 0 and sampled["tok_s"] > 0 and result["sampling"]["temperature"] == 0.8
     assert all(0 <= mode["predraft_hit_rate"] <= 1 and mode["mean_k"] > 0 for mode in (greedy, sampled))
+    for mode in ("greedy", "sampled"):  # the target alone, every prompt to --new-tokens
+        alone = result["target_alone"][mode]
+        assert alone["tokens"] == 2 * 12 and alone["tok_s"] > 0
+        assert result["speedup_vs_target_alone"][mode] == result["modes"][mode]["tok_s"] / alone["tok_s"]
