@@ -13,7 +13,7 @@ from orchestrator.backends import Proposer, Verifier
 from orchestrator.breaker import DraftBreaker
 from orchestrator.decoder import Decoder
 from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCosts
-from orchestrator.replicas import hold
+from orchestrator.replica_load import hold
 from orchestrator.rounds import Committed, RoundStats, ServiceView
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import Detokenizer, cut_at_stop, first_stop, reasoning_tokens

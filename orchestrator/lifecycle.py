@@ -9,7 +9,8 @@ import contextlib
 import logging
 
 from orchestrator.backends import Prefix
-from orchestrator.replicas import Replicas, placed_on_board
+from orchestrator.replica_load import placed_on_board
+from orchestrator.replicas import Replicas
 
 log = logging.getLogger(__name__)
 

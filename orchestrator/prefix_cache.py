@@ -39,7 +39,7 @@ import uuid
 from array import array
 
 from orchestrator.config import PrefixCacheConfig
-from orchestrator.replicas import copy_id
+from orchestrator.replica_load import copy_id
 from orchestrator.store import SessionRecord, SessionStore, stored_cache_id
 from tandem import fingerprint
 

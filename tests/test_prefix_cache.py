@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.config import PrefixCacheConfig
 from orchestrator.prefix_cache import BLOCK, MIN_FORK, PrefixCache, block_digests, worth_taking
-from orchestrator.replicas import route_key
+from orchestrator.replica_load import route_key
 from orchestrator.store import SessionNotFound, SessionStore
 from tandem import fingerprint
 from tandem.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc

@@ -13,8 +13,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from orchestrator.backends import ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import OrchestratorConfig
 from orchestrator.load_board import LoadBoard
-from orchestrator.replicas import (LOAD_S, PLACED_S, Replicas, copy_id, hold, placed_id, placed_on_board,
-                                   route_key)
+from orchestrator.replica_load import LOAD_S, PLACED_S, copy_id, hold, placed_id, placed_on_board, route_key
+from orchestrator.replicas import Replicas
 from tandem import telemetry
 from tandem.v1 import common_pb2
 from tests.conftest import REDIS_URL, Cluster, reference_greedy
