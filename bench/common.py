@@ -368,6 +368,14 @@ def pair_flags(parser) -> None:
                              "block ends moves the rounding, and adaptive k ends blocks by measured times")
 
 
+def request_flags(parser, reps: int, new_tokens: int = 64) -> None:
+    """--prompts, --new-tokens and --reps: which of PROMPTS a probe sends, the
+    tokens of each reply, and the passes over them."""
+    parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=new_tokens, help="tokens per request (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=reps, help="passes over the prompts (default: %(default)s)")
+
+
 def model_flags(args, role: str) -> list[str]:
     """A model service's --model and --dtype from pair_flags' arguments, with
     the draft's --draft-args (role: "target" or "draft")."""

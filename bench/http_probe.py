@@ -22,7 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, pair_record, parse_args, write
+from bench.common import (PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, pair_record, parse_args,
+                          request_flags, write)
 from tandem.client import TandemClient
 from tandem.launch import free_port
 
@@ -97,9 +98,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.http_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     pair_flags(parser)
-    parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=3, help="passes over the prompts (default: %(default)s)")
+    request_flags(parser, reps=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per service (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS / "http_probe.json", help="JSON output path")
     args = parse_args(parser, argv)

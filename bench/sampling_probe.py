@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from bench.common import (PROMPTS, RESULTS, cut, load_hf, machine, pair_deployment, pair_flags, pair_record,
-                          parse_args, resolve_dtype, write)
+                          parse_args, request_flags, resolve_dtype, write)
 from tandem.client import TandemClient
 
 log = logging.getLogger("bench.sampling_probe")
@@ -79,8 +79,6 @@ def target_alone(target: str, dtype: str, prompts: dict[str, str], new_tokens: i
             seconds += time.perf_counter() - start
         result[mode] = {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
         log.info("target alone, %s: %.2f tok/s", mode, tokens / seconds)
-    del model
-    gc.collect()
     return result
 
 
@@ -128,9 +126,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sampling_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     pair_flags(parser)
-    parser.add_argument("--prompts", default=",".join(PROMPTS), help="prompt names (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=2, help="passes over the prompts (default: %(default)s)")
+    request_flags(parser, reps=2)
     parser.add_argument("--temperature", type=float, default=0.8, help="sampled mode's temperature (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, help="sampled mode's top_p (default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=0, help="sampled mode's top_k, 0 = off (default: %(default)s)")
@@ -146,6 +142,7 @@ def main(argv=None) -> int:
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     alone = (target_alone(args.target, args.dtype, prompts, args.new_tokens, sampling, args.threads)
              if args.target_alone else None)
+    gc.collect()  # the target alone's model, before the services load theirs
     with pair_deployment(args, ["--prefix-cache", "0"]) as deployment:  # each request prefills its prompt
         result = run(deployment.address, prompts, args.new_tokens, args.reps, sampling)
     if alone is not None:
