@@ -47,14 +47,27 @@ def _one(client: TandemClient, prompt: str, new_tokens: int, params: dict) -> di
 def target_alone(target: str, dtype: str, prompts: dict[str, str], new_tokens: int, sampling: dict,
                  threads: int) -> dict:
     """Tokens/s of the target alone, greedy and sampled, one pass over the
-    prompts each (after an untimed warm-up), every request to new_tokens."""
+    prompts each (after an untimed warm-up), every request to new_tokens, on
+    `threads` torch threads. The process's thread count and random state are
+    as they were after, so that a caller (a test) is left as it was."""
     import torch
-    from transformers import AutoTokenizer
 
     from tandem.default_models import resolve_model
 
     path = resolve_model(target)
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return _time_target_alone(path, dtype, prompts, new_tokens, sampling)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _time_target_alone(path: str, dtype: str, prompts: dict[str, str], new_tokens: int, sampling: dict) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = load_hf(path, resolve_dtype(dtype))
     ids = {name: tokenizer(prompt, return_tensors="pt").input_ids for name, prompt in prompts.items()}

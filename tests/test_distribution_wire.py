@@ -91,9 +91,11 @@ def test_the_sampling_probe_runs_on_the_tiny_pair_and_counts_the_bytes_only_samp
     from bench.sampling_probe import main
 
     out = tmp_path / "sampling_probe.json"
+    threads = torch.get_num_threads()
     assert main(["--target", char_models["target"], "--draft", char_models["draft"], "--draft-args", "",
                  "--dtype", "float32", "--prompts", "code-1,prose-1", "--new-tokens", "12", "--reps", "1",
-                 "--out", str(out)]) == 0
+                 "--threads", str(threads + 1), "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the target alone ran in this process and left it as it was
     result = json.loads(out.read_text())
     greedy, sampled = result["modes"]["greedy"], result["modes"]["sampled"]
     assert greedy["requests"] == sampled["requests"] == 2
