@@ -96,17 +96,17 @@ def _time_target_alone(path: str, dtype: str, prompts: dict[str, str], new_token
 
 
 def run(address: str, prompts: dict[str, str], new_tokens: int, reps: int, sampling: dict) -> dict:
-    params = {"greedy": {"temperature": 0.0}, "sampled": sampling}
+    def params(mode: str, seed: int) -> dict:  # a sampled request's seed; greedy needs none
+        return dict(sampling, seed=seed) if mode == "sampled" else {"temperature": 0.0}
+
     runs = {mode: [] for mode in MODES}
     with TandemClient(address, timeout_s=600) as client:
         for mode in MODES:  # warm-up: the first sampled call builds what sampling needs
-            _one(client, next(iter(prompts.values())), 8, dict(params[mode], seed=1) if mode == "sampled"
-                 else params[mode])
+            _one(client, next(iter(prompts.values())), 8, params(mode, seed=1))
         for rep in range(reps):
             for index, (name, prompt) in enumerate(prompts.items()):
                 for mode in (MODES if (rep + index) % 2 == 0 else MODES[::-1]):  # alternate who goes first
-                    mode_params = dict(params[mode], seed=1000 * rep + index) if mode == "sampled" else params[mode]
-                    row = _one(client, prompt, new_tokens, mode_params)
+                    row = _one(client, prompt, new_tokens, params(mode, seed=1000 * rep + index))
                     runs[mode].append(dict(row, prompt=name, rep=rep))
                     log.info("%s %s rep %d: %.2f tok/s, overhead p50 %.2f ms (in the services %.2f), %d rounds, "
                              "%d distribution bytes", name, mode, rep, row["tokens"] / row["total_s"],
