@@ -38,7 +38,8 @@ class DraftOptions:
     min_confidence: float = 0.0  # greedy: end a block after a token the draft gives less than this; 0 = never
     lean_step: str = "auto"  # tandem.lean: "on", "aten", "off", "auto" (for the models it supports)
     int4_kernel: str = "auto"  # Int4Linear's kernel under quantize="int4": "i4w", "aten", "auto": cheap.int4_kernel
-    batch_drafts: int = 1  # greedy blocks of up to N sessions that queue drafted in lockstep; 1 = off
+    # greedy blocks of up to N sessions that queue drafted in lockstep; 1 = off; None = auto (auto_batch_drafts)
+    batch_drafts: int | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -53,9 +54,9 @@ class DraftOptions:
             raise ValueError(f"lean_step must be one of {LEAN_STEP}, got {self.lean_step!r}")
         if self.int4_kernel not in INT4_KERNELS:
             raise ValueError(f"int4_kernel must be one of {INT4_KERNELS}, got {self.int4_kernel!r}")
-        if self.batch_drafts < 1:
+        if self.batch_drafts is not None and self.batch_drafts < 1:
             raise ValueError(f"batch_drafts must be >= 1, got {self.batch_drafts}")
-        if self.batch_drafts > 1 and self.backend != "model":
+        if (self.batch_drafts or 1) > 1 and self.backend != "model":
             raise ValueError(f"batch_drafts needs the model backend (prompt lookup runs no forward), "
                              f"not {self.backend!r}")
 
@@ -67,8 +68,26 @@ class DraftOptions:
             label += f"({self.int4_kernel})" if self.quantize == "int4" and self.int4_kernel != "auto" else ""
             label += f"/vocab={self.vocab_subset}" if self.vocab_subset else ""
             label += f"/confidence>={self.min_confidence:g}" if self.min_confidence else ""
-            label += f"/batch={self.batch_drafts}" if self.batch_drafts > 1 else ""
+            label += f"/batch={self.batch_drafts}" if (self.batch_drafts or 1) > 1 else ""
         return label
+
+
+AUTO_BATCH = 8  # --batch-drafts auto's batch on a CPU
+
+
+def auto_batch_drafts(model: ModelConfig, options: DraftOptions, runner) -> int:
+    """--batch-drafts auto: AUTO_BATCH on a CPU for the model backend on the
+    lean step, else 1 (off). With the target's --batch-verifies auto, both
+    batching gave 1.10x one stream's tokens/s and 1.37x four's and eight's on a
+    2-core Zen 5 VM (bench/recorded/batch-probe-zen5-df674e6.json). On a GPU a
+    lone step replays a CUDA graph and a batch runs op by op: not measured, so
+    off."""
+    if model.device != "cpu" or options.backend != "model":
+        return 1
+    if runner is None:
+        log.info("--batch-drafts auto: off (the draft step is not the lean one)")
+        return 1
+    return AUTO_BATCH
 
 
 def _special_ids(info) -> set[int]:
@@ -142,8 +161,13 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         info, head = worker.start_up(_load_draft, model, options)
         worker.inline = inline_compute(model.inline_compute, model.device)
         runner = lean_runner(info, model.device, options.lean_step)
+        batch_drafts = options.batch_drafts
+        if batch_drafts is None:
+            batch_drafts = auto_batch_drafts(model, options, runner)
+        self.batch_drafts = batch_drafts
+        self.backend = replace(options, batch_drafts=batch_drafts).label  # names auto's choice
         if runner is None:
-            if options.batch_drafts > 1:
+            if batch_drafts > 1:
                 reason = unsupported(info.model) or f"--lean-step {options.lean_step}"
                 raise ValueError(f"--batch-drafts needs the lean draft step, which is off here ({reason})")
             runner = ModelRunner(info, model.device)
@@ -157,10 +181,11 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
             self.drafter = ModelDrafter(runner, store, head, options.min_confidence)
         self.prepared = Prepared(store, self._run_prepared)
         self.batcher = None
-        if options.batch_drafts > 1:
-            self.batcher = CallBatcher(worker, self._propose_batch, options.batch_drafts,
-                                       lambda item: item[0].session_id, lambda item: queue_place(item[0]))
-            log.info("greedy blocks of up to %d sessions that queue are drafted in lockstep", options.batch_drafts)
+        if batch_drafts > 1:
+            self.batcher = CallBatcher(worker, self._propose_batch, batch_drafts,
+                                       lambda item: item[0].session_id, lambda item: queue_place(item[0]),
+                                       span="tandem.draft.compute")
+            log.info("greedy blocks of up to %d sessions that queue are drafted in lockstep", batch_drafts)
 
     @property
     def feeds_ahead(self) -> bool:
@@ -297,12 +322,14 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 context.add_done_callback(lambda _: cancelled.set())
                 call, fed = await self.prefill_ahead(context, call, getattr(self.drafter, "feed", None),
                                                      queue_place(call))
+                def alone(call=call):
+                    return self.compute(self._propose, call, cancelled, noted, cancelled=cancelled,
+                                        rows=self._rows(call), priority=queue_place(call))
+
                 if self.batchable(call):
-                    proposal = await self.run_batched(context, self.batcher, (call, cancelled, noted))
+                    proposal = await self.run_batched(context, self.batcher, (call, cancelled, noted), alone)
                 else:
-                    proposal = await self.run_checked(context, self._propose, call, cancelled, noted,
-                                                      cancelled=cancelled, rows=self._rows(call),
-                                                      priority=queue_place(call))
+                    proposal = await self._mapped(context, alone())
                 proposal = fed.onto(proposal)
             self.prefill_tokens += proposal.prefilled
             if proposal.step_ms:

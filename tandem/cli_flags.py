@@ -300,11 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "(tandem/lean.py: a plain loop over the layers on a preallocated KV cache; Qwen2, Llama, "
                              "Mistral), captured once per block length and cache capacity; off = Hugging Face's "
                              "forward; auto = on for a supported model on a GPU, off on a CPU (default: %(default)s)")
-    target.add_argument("--batch-verifies", type=_int_in(1, 256), default=1, metavar="N",
+    target.add_argument("--batch-verifies", type=_auto_or(_int_in(1, 256)), default=None, metavar="N|auto",
                         help="verify calls of up to N sessions that queue while a verify runs go through one "
                              "forward together (the weights read once for all): more tokens/s under concurrent "
                              "requests, no wait for a lone one. Needs the lean forward (Qwen2, Llama, Mistral), "
-                             "which the target then runs on a CPU too; 1 = off (default: %(default)s)")
+                             "which the target then runs on a CPU too; 1 = off; auto = 8 on a CPU where the lean "
+                             "forward runs the model and verifies carry no token trees (AMX), else off "
+                             "(default: auto)")
     draft = serve.add_parser("draft", help="the draft service")
     _add_model_flags(draft, "default-draft", 50053)
     draft.add_argument("--backend", default="model", choices=["model", "ngram", "ngram+model"],
@@ -337,11 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "when every projection is int4 on tandem/i4w.c, on a GPU a feed of up to 16 "
                             "tokens (a step, or the tokens a verify accepted) replays a CUDA graph; aten = the lean "
                             "forward without either (default: %(default)s)")
-    draft.add_argument("--batch-drafts", type=_int_in(1, 256), default=1, metavar="N",
+    draft.add_argument("--batch-drafts", type=_auto_or(_int_in(1, 256)), default=None, metavar="N|auto",
                        help="greedy Propose calls of up to N sessions that queue while a draft runs are drafted in "
                             "lockstep, each step one forward for all (the weights read once): more tokens/s under "
                             "concurrent requests, no wait for a lone one. Sampled calls run alone (a seed's draws "
-                            "stay bit-exact). Needs the model backend and the lean step; 1 = off (default: %(default)s)")
+                            "stay bit-exact). Needs the model backend and the lean step; 1 = off; auto = 8 on a CPU "
+                            "where both hold, else off (default: auto)")
     orch = serve.add_parser("orchestrator", help="the public API server")
     orch.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     orch.add_argument("--port", type=int, default=50051, help="port to bind (default: %(default)s)")

@@ -188,10 +188,12 @@ class ModelServiceBase:
         """Runs fn on the model worker and maps failures to status codes;
         `rows`: the token rows the call computes (inline if few); `priority`:
         the request's, its place in the worker's queue."""
-        return await self._mapped(context, self.worker.run(fn, *args, cancelled=cancelled,
-                                                           span=f"tandem.{self.role}.compute",
-                                                           short=rows is not None and rows <= INLINE_MAX_ROWS,
-                                                           priority=priority))
+        return await self._mapped(context, self.compute(fn, *args, cancelled=cancelled, rows=rows, priority=priority))
+
+    def compute(self, fn, *args, cancelled=None, rows: int | None = None, priority: int = 0):
+        """run_checked's work, unmapped: fn on the model worker (an awaitable)."""
+        return self.worker.run(fn, *args, cancelled=cancelled, span=f"tandem.{self.role}.compute",
+                               short=rows is not None and rows <= INLINE_MAX_ROWS, priority=priority)
 
     async def prefill_ahead(self, context, call, run: Callable[[SessionCache], object] | None,
                             priority: int | None = None, chunk: int | None = None):
@@ -228,9 +230,10 @@ class ModelServiceBase:
             prefix_len, prefix_fp = prefix_len + len(part), fingerprint.extend(prefix_fp, part)
         return dataclasses.replace(call, prefix_len=prefix_len, prefix_fp=prefix_fp, new_tokens=tokens), done
 
-    async def run_batched(self, context, batcher, call):
-        """As run_checked, through a tandem.batcher.CallBatcher (--batch-verifies, --batch-drafts)."""
-        return await self._mapped(context, batcher.submit(call))
+    async def run_batched(self, context, batcher, call, alone=None):
+        """As run_checked, through a tandem.batcher.CallBatcher (--batch-verifies,
+        --batch-drafts); alone(): the call's work run by itself (its compute)."""
+        return await self._mapped(context, batcher.submit(call, alone))
 
     async def _mapped(self, context, work, count: bool = True):
         from tandem.session_cache import CacheMiss

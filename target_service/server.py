@@ -25,6 +25,7 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 AMX_TREE_WIDTH = 4
+AUTO_BATCH = 8  # --batch-verifies auto's batch on a CPU
 GRAPHS = ("auto", "on", "off")
 
 
@@ -67,15 +68,38 @@ def suggested_tree_width(model: ModelConfig, runner: ModelRunner) -> int:
     return 0
 
 
+def auto_batch_verifies(model: ModelConfig, loaded: LoadedModel, runner) -> int:
+    """--batch-verifies auto: AUTO_BATCH on a CPU, for a model the lean forward
+    supports, where the target would not verify token trees (a lean target
+    verifies the block alone, and on AMX the trees are what pays); else 1 (off).
+    On a 2-core Zen 5 VM batching gave 1.10x one stream's tokens/s and 1.37x
+    four's and eight's (bench/recorded/batch-probe-zen5-df674e6.json). On a GPU a
+    lone verify replays a CUDA graph and a batch runs op by op: not measured,
+    so off."""
+    if model.device != "cpu":
+        return 1
+    if (reason := unsupported(loaded.model)) is not None:
+        log.info("--batch-verifies auto: off (the lean forward does not support %s)", reason)
+        return 1
+    if suggested_tree_width(model, runner):
+        log.info("--batch-verifies auto: off (verifies carry token trees here, which the lean forward does not)")
+        return 1
+    return AUTO_BATCH
+
+
 class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
     role = "target"
 
     def __init__(self, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto",
-                 batch_verifies: int = 1):
+                 batch_verifies: int | None = None):
+        """batch_verifies: --batch-verifies; None = auto (auto_batch_verifies)."""
         worker = serving.ModelWorker("target-model")
         info = worker.start_up(load, model)
         worker.inline = inline_compute(model.inline_compute, model.device)
         runner = worker.start_up(target_runner, info, model.device, graphs)
+        if batch_verifies is None:
+            batch_verifies = auto_batch_verifies(model, info, runner)
+        self.batch_verifies = batch_verifies
         if batch_verifies > 1 and not hasattr(runner, "forward_batch"):
             if (reason := unsupported(info.model)) is not None:
                 raise ValueError(f"--batch-verifies needs the lean forward, which does not support {reason}")
@@ -85,7 +109,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         super().__init__(info, store, worker, model.chunk)
         self.verifier = Verifier(runner, store)
         self.batcher = (CallBatcher(worker, self.verifier.verify_batch, batch_verifies, lambda call: call.session_id,
-                                    lambda call: call.priority)
+                                    lambda call: call.priority, span="tandem.target.compute")
                         if batch_verifies > 1 else None)
         self.tree_width = suggested_tree_width(model, runner)
         self.relay = Relay()
@@ -173,11 +197,14 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             else:  # a scored prompt's chunks keep their rows' logits: at most PROMPT_CHUNK rows
                 call, fed = await self.prefill_ahead(context, call, functools.partial(self.verifier.feed_scored, call),
                                                      chunk=min(self.prefill_chunk, PROMPT_CHUNK))
+            def alone():
+                return self.compute(self.verifier.verify, call, priority=call.priority,
+                                    rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
+
             if self.batcher is not None:
-                outcome = await self.run_batched(context, self.batcher, call)
+                outcome = await self.run_batched(context, self.batcher, call, alone)
             else:
-                outcome = await self.run_checked(context, self.verifier.verify, call, priority=call.priority,
-                                                 rows=len(call.new_tokens) + len(call.draft_tokens) + len(call.alternatives))
+                outcome = await self._mapped(context, alone())
             outcome = fed.onto(outcome, new_token_logprobs=fed.scores + outcome.new_token_logprobs)
             self.prefill_tokens += outcome.prefilled
             relay = request.relay
@@ -210,7 +237,7 @@ def _wire_logprobs(logprobs) -> list[target_pb2.TokenLogprobs]:
 
 
 def build_server(address: str, model: ModelConfig, cache: CacheConfig = CacheConfig(), graphs: str = "auto",
-                 batch_verifies: int = 1, tls=None):
+                 batch_verifies: int | None = None, tls=None):
     """Returns (server, port, health, servicer); the caller starts the server.
     tls: a tandem.tls.ServerTls to serve with."""
     servicer = TargetServicer(model, cache, graphs, batch_verifies)

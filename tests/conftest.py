@@ -113,7 +113,7 @@ class Cluster:
                  draft_fallback: bool = True, redis_url: str = REDIS_URL, max_concurrent_requests: int = 0,
                  tokenizer: str = "", prefill_overlap: bool | None = True, target_linear: str = "auto",
                  inline_compute: str = "auto", relay: bool = True, relay_address: str = "", tree_width: int | None = 4,
-                 target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int = 1,
+                 target_graphs: str = "auto", prefix_cache=None, api_keys_file: str = "", target_batch: int | None = None,
                  quotas=None, service_tls=None, orchestrator=None, target_replicas: int = 1, draft_replicas: int = 1,
                  prefill_chunk: int = 6):
         # relay: on in the test clusters (the server's default is off), so that

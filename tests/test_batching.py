@@ -15,7 +15,7 @@ from tandem.sampling import SamplingParams
 from tandem.serving import ModelWorker
 from tandem.session_cache import CacheMiss, SessionCacheStore
 from target_service.verifier import Verifier, VerifyCall
-from tests.conftest import Cluster, reference_greedy
+from tests.conftest import DEVICE, Cluster, reference_greedy
 
 HISTORIES = {"a": [(7 * i) % 120 + 1 for i in range(40)], "b": [5, 6, 7], "c": [(3 * i) % 100 + 9 for i in range(17)]}
 GREEDY = SamplingParams(temperature=0.0)
@@ -134,6 +134,83 @@ def test_a_verify_cancelled_while_queued_never_runs(runner):
     batcher, verifier = asyncio.run(run())
     assert batcher.batched_calls == 1
     assert verifier.store.peek("b").tokens == HISTORIES["b"]  # untouched
+
+
+def _lone_and_batched():
+    """A CallBatcher over plain calls (strings): `alone` records a lone run,
+    run_batch the batches."""
+    ran_alone, batches = [], []
+
+    def run_batch(calls):
+        batches.append(list(calls))
+        return [f"{call}:batched" for call in calls]
+
+    def alone_of(call, gate=None):
+        async def alone():
+            if gate is not None:
+                await gate.wait()
+            ran_alone.append(call)
+            return f"{call}:alone"
+        return alone
+
+    return ran_alone, batches, run_batch, alone_of
+
+
+def test_a_lone_call_runs_its_own_path_and_those_that_queue_go_together():
+    """A call that finds nothing running runs by itself, through its `alone`
+    (the unbatched path: its span, the inline rule, its cancellation); the
+    calls that queue behind it go as one batch; a queue of one goes alone."""
+    ran_alone, batches, run_batch, alone_of = _lone_and_batched()
+
+    async def run():
+        worker = ModelWorker("test-batcher")
+        batcher = CallBatcher(worker, run_batch, 8, lambda call: call)
+        gate = asyncio.Event()
+        try:
+            first = asyncio.ensure_future(batcher.submit("a", alone_of("a", gate)))
+            await asyncio.sleep(0)
+            queued = [asyncio.ensure_future(batcher.submit(c, alone_of(c))) for c in ("b", "c")]
+            await asyncio.sleep(0)
+            gate.set()
+            results = [await first] + [await q for q in queued]
+            results.append(await batcher.submit("d", alone_of("d")))
+        finally:
+            worker.shutdown()
+        return batcher, results
+
+    batcher, results = asyncio.run(run())
+    assert results == ["a:alone", "b:batched", "c:batched", "d:alone"]
+    assert ran_alone == ["a", "d"] and batches == [["b", "c"]]
+    assert (batcher.batches, batcher.batched_calls) == (3, 4)
+
+
+def test_a_call_cancelled_as_its_lone_turn_comes_hands_the_turn_on():
+    """The turn passes to a queued call (its future says: run alone) and its
+    caller is cancelled before it resumes: the batcher must not stay busy, or
+    every later call would wait for ever."""
+    ran_alone, batches, run_batch, alone_of = _lone_and_batched()
+
+    async def run():
+        worker = ModelWorker("test-batcher")
+        batcher = CallBatcher(worker, run_batch, 8, lambda call: call)
+        gate = asyncio.Event()
+        try:
+            first = asyncio.ensure_future(batcher.submit("a", alone_of("a", gate)))
+            await asyncio.sleep(0)
+            second = asyncio.ensure_future(batcher.submit("b", alone_of("b")))
+            await asyncio.sleep(0)
+            gate.set()
+            await asyncio.sleep(0)  # "a" ended and gave "b" its turn; "b" has not resumed yet
+            assert first.done() and not second.done()
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            return await asyncio.wait_for(batcher.submit("c", alone_of("c")), 5)
+        finally:
+            worker.shutdown()
+
+    assert asyncio.run(run()) == "c:alone"
+    assert ran_alone == ["a", "c"] and batches == []
 
 
 def _concurrently(cluster, prompts, k: int, meanwhile=None) -> list:
@@ -292,3 +369,36 @@ def test_batch_drafts_needs_the_model_backend_and_the_lean_step(tiny_models):
     with pytest.raises(ValueError, match="lean draft step"):
         DraftServicer(ModelConfig(tiny_models["other"], dtype="float32"), options=DraftOptions(batch_drafts=2,
                                                                                                 lean_step="off"))
+
+
+def test_batching_is_on_by_default_on_a_cpu_and_off_where_it_cannot_pay(tiny_models, monkeypatch):
+    """--batch-verifies and --batch-drafts auto: 8 on a CPU for a model the lean
+    forward runs; off on a GPU (not measured there), for the n-gram drafter,
+    without the lean step, and where the target would verify token trees
+    (bf16 on packed layers with AMX), which the lean forward does not."""
+    from draft_service.server import AUTO_BATCH as DRAFT_AUTO, DraftOptions, auto_batch_drafts
+    from tandem import cpu_kernels
+    from target_service.server import AUTO_BATCH, TargetServicer, auto_batch_verifies
+
+    class Runner:
+        verifies_trees = True
+
+    loaded = load(ModelConfig(tiny_models["target"], dtype="float32"))
+    cpu = ModelConfig(tiny_models["target"], dtype="float32", linear="native")
+    assert auto_batch_verifies(cpu, loaded, Runner()) == AUTO_BATCH == 8
+    assert auto_batch_verifies(ModelConfig(tiny_models["target"], device="cuda:0"), loaded, Runner()) == 1
+    assert auto_batch_drafts(cpu, DraftOptions(), Runner()) == DRAFT_AUTO == 8
+    assert auto_batch_drafts(ModelConfig(tiny_models["target"], device="cuda:0"), DraftOptions(), Runner()) == 1
+    assert auto_batch_drafts(cpu, DraftOptions(backend="ngram+model"), Runner()) == 1
+    assert auto_batch_drafts(cpu, DraftOptions(), None) == 1  # Hugging Face's forward: no lean step
+    for name in ("packed_available", "native_bf16", "amx_bf16"):
+        monkeypatch.setattr(cpu_kernels, name, lambda: True)
+    amx = ModelConfig(tiny_models["target"], dtype="bfloat16")
+    assert amx.kernel == "packed" and auto_batch_verifies(amx, loaded, Runner()) == 1
+    monkeypatch.undo()
+    if DEVICE == "cpu":  # a service started with the defaults batches, and says so
+        servicer = TargetServicer(ModelConfig(tiny_models["target"], dtype="float32"))
+        try:
+            assert servicer.batch_verifies == 8 and servicer.batcher is not None
+        finally:
+            servicer.worker.shutdown()

@@ -27,7 +27,7 @@ def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_model
     out = tmp_path / "nodes.json"
     result = run_bench(main, char_models, out, "--prompts", "code-1,prose-1", "--new-tokens", "12", "--fixed-ks", "2",
                        "--whole-configs", "sequential:1,pipelined:1", "--dtype", "float32")
-    assert result["draft_backend"] == "model/lean"  # the draft service's own label, unquantized
+    assert result["draft_backend"] == "model/batch=8/lean"  # the draft service's own label, unquantized, batching (auto)
     modes = result["modes"]
     assert {"a_target_one_core", "b_sequential", "c_pipelined_k2", "d_pipelined_adaptive", "e_target_both_cores",
             "f_hf_assisted_both_cores", "g_whole_machine_sequential_1t", "g_whole_machine_pipelined_1t"} <= set(modes)

@@ -28,11 +28,12 @@ def _verify(session_id: str, new_tokens: list[int], prefix: list[int] = (), draf
 
 
 async def _target(model_dir: str, chunk: int):
+    """Unbatched: the calls queue on the worker itself, where the tests watch them."""
     from target_service.server import build_server
 
     server, port, _, servicer = build_server(
         "127.0.0.1:0", ModelConfig(model_dir, dtype="float32", inline_compute="off", prefill_chunk=chunk),
-        CacheConfig(budget_mb=0, session_ttl_s=0))
+        CacheConfig(budget_mb=0, session_ttl_s=0), batch_verifies=1)
     await server.start()
     return server, servicer, grpc.aio.insecure_channel(f"127.0.0.1:{port}")
 

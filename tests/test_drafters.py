@@ -49,6 +49,9 @@ def test_backends_stay_lossless_end_to_end(tiny_models, options):
             suffix = ("/lean" if DEVICE == "cpu" else "/lean+graphs") if lean else ""
             if options.quantize == "int4" and options.int4_kernel == "auto":  # the service names its choice
                 options = replace(options, int4_kernel=int4_kernel())
+            if options.batch_drafts is None:  # auto: batched on a CPU, on the lean step of a model
+                options = replace(options, batch_drafts=8 if lean and options.backend == "model" and DEVICE == "cpu"
+                                  else 1)
             assert client.server_info().draft_backend == options.label + suffix
             for prompt in (REPEATING, [3, 1, 4, 1, 5, 9, 2, 6], list(range(5, 45, 2))):  # the last > 16 tokens
                 for pipeline in (False, True):

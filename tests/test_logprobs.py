@@ -67,7 +67,8 @@ def test_token_logprobs_are_the_log_softmax_and_its_likeliest():
 def cluster(tiny_models, near_draft):
     """A draft close to the target: rounds accept blocks and take alternatives
     (--tree-width 4), so committed tokens come from every kind of row of a verify."""
-    cluster = Cluster(tiny_models["target"], near_draft, tree_width=4, target_graphs="off")
+    cluster = Cluster(tiny_models["target"], near_draft, tree_width=4, target_graphs="off",
+                      target_batch=1)  # Hugging Face's forward: the lean one verifies no trees
     yield cluster
     cluster.stop()
 

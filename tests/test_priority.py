@@ -156,7 +156,9 @@ def test_a_batcher_fills_its_batches_by_priority():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models):
-    cluster = Cluster(tiny_models["target"], tiny_models["other"], inline_compute="off",
+    # The target worker's own queue order, unbatched (a batching target's:
+    # test_a_batcher_fills_its_batches_by_priority).
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], inline_compute="off", target_batch=1,
                       orchestrator={"scheduling_policy": "priority",
                                     "tenant_priorities": {"premium": -5, "free": 0}})
     yield cluster

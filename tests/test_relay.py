@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from draft_service.server import DraftOptions
 from tandem import fingerprint
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from target_service.relay import next_request
@@ -22,7 +23,8 @@ PROMPT = [5, 17, 99, 3, 42, 8, 8, 120]
 @pytest.fixture(scope="module")
 def relay_cluster(tiny_models):
     """An unrelated draft: nearly every round ends at a rejection."""
-    cluster = Cluster(tiny_models["target"], tiny_models["other"], k=3)
+    # The draft's own queue, unbatched (a batching draft's: the batched tests below).
+    cluster = Cluster(tiny_models["target"], tiny_models["other"], k=3, draft_options=DraftOptions(batch_drafts=1))
     yield cluster
     cluster.stop()
 
@@ -250,8 +252,6 @@ def test_a_pre_draft_overtaken_in_the_queue_by_a_later_call_leaves_that_call_s_c
 def test_a_pre_draft_overtaken_in_a_batch_queue_leaves_that_call_s_cache(tiny_models):
     """The same with --batch-drafts: the two wait for a batch together, and
     the batch takes the later call (one call a session, the lowest place first)."""
-    from draft_service.server import DraftOptions
-
     cluster = Cluster(tiny_models["target"], tiny_models["other"], draft_options=DraftOptions(batch_drafts=4))
     try:
         _pre_draft_after_the_later_call(cluster, "overtaken-batched", batched=True)
