@@ -322,6 +322,7 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 context.add_done_callback(lambda _: cancelled.set())
                 call, fed = await self.prefill_ahead(context, call, getattr(self.drafter, "feed", None),
                                                      queue_place(call))
+
                 def alone(call=call):
                     return self.compute(self._propose, call, cancelled, noted, cancelled=cancelled,
                                         rows=self._rows(call), priority=queue_place(call))
