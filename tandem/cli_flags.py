@@ -448,8 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "target's token at the first rejection is that runner-up, the round commits one token "
                            "more. Costs the target N more rows a verify, so it pays where a verify's cost barely "
                            "grows with its rows; auto = the width the target suggests: 4 for bf16 on packed layers "
-                           "with AMX, else 0 (off); a target on --linear bf16dot, or on a GPU with --graphs, "
-                           "verifies the block alone (default: %(default)s)")
+                           "with AMX, else 0 (off); a target on --linear bf16dot, on a GPU with --graphs, or "
+                           "batching verifies (--batch-verifies, on by default on a CPU but where the target "
+                           "suggests a width) verifies the block alone (default: %(default)s)")
     orch.add_argument("--relay-address", default="",
                       help="the draft service's address as the target reaches it (default: --draft)")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",
