@@ -136,9 +136,12 @@ def test_a_verify_cancelled_while_queued_never_runs(runner):
     assert verifier.store.peek("b").tokens == HISTORIES["b"]  # untouched
 
 
-def _lone_and_batched():
-    """A CallBatcher over plain calls (strings): `alone` records a lone run,
-    run_batch the batches."""
+def _with_a_lone_call(body):
+    """Runs `await body(batcher, alone_of, first, gate)` on a fresh loop: a
+    CallBatcher over plain calls (strings) on a real worker, with call "a"
+    running alone (task `first`) until `gate` is set; alone_of(call) is a
+    call's lone path. Returns (body's result, the calls run alone, the
+    batches run)."""
     ran_alone, batches = [], []
 
     def run_batch(calls):
@@ -153,15 +156,6 @@ def _lone_and_batched():
             return f"{call}:alone"
         return alone
 
-    return ran_alone, batches, run_batch, alone_of
-
-
-def test_a_lone_call_runs_its_own_path_and_those_that_queue_go_together():
-    """A call that finds nothing running runs by itself, through its `alone`
-    (the unbatched path: its span, the inline rule, its cancellation); the
-    calls that queue behind it go as one batch; a queue of one goes alone."""
-    ran_alone, batches, run_batch, alone_of = _lone_and_batched()
-
     async def run():
         worker = ModelWorker("test-batcher")
         batcher = CallBatcher(worker, run_batch, 8, lambda call: call)
@@ -169,16 +163,26 @@ def test_a_lone_call_runs_its_own_path_and_those_that_queue_go_together():
         try:
             first = asyncio.ensure_future(batcher.submit("a", alone_of("a", gate)))
             await asyncio.sleep(0)
-            queued = [asyncio.ensure_future(batcher.submit(c, alone_of(c))) for c in ("b", "c")]
-            await asyncio.sleep(0)
-            gate.set()
-            results = [await first] + [await q for q in queued]
-            results.append(await batcher.submit("d", alone_of("d")))
+            return await body(batcher, alone_of, first, gate)
         finally:
             worker.shutdown()
+
+    return asyncio.run(run()), ran_alone, batches
+
+
+def test_a_lone_call_runs_its_own_path_and_those_that_queue_go_together():
+    """A call that finds nothing running runs by itself, through its `alone`
+    (the unbatched path: its span, the inline rule, its cancellation); the
+    calls that queue behind it go as one batch; a queue of one goes alone."""
+    async def body(batcher, alone_of, first, gate):
+        queued = [asyncio.ensure_future(batcher.submit(c, alone_of(c))) for c in ("b", "c")]
+        await asyncio.sleep(0)
+        gate.set()
+        results = [await first] + [await q for q in queued]
+        results.append(await batcher.submit("d", alone_of("d")))
         return batcher, results
 
-    batcher, results = asyncio.run(run())
+    (batcher, results), ran_alone, batches = _with_a_lone_call(body)
     assert results == ["a:alone", "b:batched", "c:batched", "d:alone"]
     assert ran_alone == ["a", "d"] and batches == [["b", "c"]]
     assert (batcher.batches, batcher.batched_calls) == (3, 4)
@@ -188,28 +192,19 @@ def test_a_call_cancelled_as_its_lone_turn_comes_hands_the_turn_on():
     """The turn passes to a queued call (its future says: run alone) and its
     caller is cancelled before it resumes: the batcher must not stay busy, or
     every later call would wait for ever."""
-    ran_alone, batches, run_batch, alone_of = _lone_and_batched()
+    async def body(batcher, alone_of, first, gate):
+        second = asyncio.ensure_future(batcher.submit("b", alone_of("b")))
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.sleep(0)  # "a" ended and gave "b" its turn; "b" has not resumed yet
+        assert first.done() and not second.done()
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        return await asyncio.wait_for(batcher.submit("c", alone_of("c")), 5)
 
-    async def run():
-        worker = ModelWorker("test-batcher")
-        batcher = CallBatcher(worker, run_batch, 8, lambda call: call)
-        gate = asyncio.Event()
-        try:
-            first = asyncio.ensure_future(batcher.submit("a", alone_of("a", gate)))
-            await asyncio.sleep(0)
-            second = asyncio.ensure_future(batcher.submit("b", alone_of("b")))
-            await asyncio.sleep(0)
-            gate.set()
-            await asyncio.sleep(0)  # "a" ended and gave "b" its turn; "b" has not resumed yet
-            assert first.done() and not second.done()
-            second.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await second
-            return await asyncio.wait_for(batcher.submit("c", alone_of("c")), 5)
-        finally:
-            worker.shutdown()
-
-    assert asyncio.run(run()) == "c:alone"
+    result, ran_alone, batches = _with_a_lone_call(body)
+    assert result == "c:alone"
     assert ran_alone == ["a", "c"] and batches == []
 
 
