@@ -291,3 +291,47 @@ def test_queue_depth_drops_when_a_call_ends_after_its_event_loop_has_closed():
         time.sleep(0.01)
     assert worker.queue_depth == 0
     worker.shutdown()
+
+
+def test_a_batch_of_calls_runs_in_one_span_under_its_most_urgent_calls_trace(recorded):
+    """Three calls of three requests queue behind a lone one (--batch-verifies):
+    the batch's compute span lies in the trace of its most urgent call, the
+    priority-1 one, though another call launched it."""
+    import asyncio
+
+    from tandem.batcher import CallBatcher
+    from tandem.serving import ModelWorker
+
+    spans, _ = recorded
+    tracer = TracerProvider().get_tracer("test")  # the requests' own spans, not recorded
+    priorities = {"lone": 0, "late": 5, "urgent": 1, "later": 5}
+
+    async def run():
+        worker = ModelWorker("test-batch-span")
+        batcher = CallBatcher(worker, lambda calls: list(calls), 8, lambda call: call, priorities.get,
+                              span="tandem.target.compute")
+        gate, traces = asyncio.Event(), {}
+
+        async def request(call, alone=None):
+            with tracer.start_as_current_span(f"request {call}") as span:
+                traces[call] = span.get_span_context().trace_id
+                return await batcher.submit(call, alone)
+
+        async def held():
+            await gate.wait()
+            return "lone"
+
+        try:
+            lone = asyncio.ensure_future(request("lone", held))
+            await asyncio.sleep(0)
+            queued = [asyncio.ensure_future(request(call)) for call in ("late", "urgent", "later")]
+            await asyncio.sleep(0)
+            gate.set()
+            return [await lone] + [await q for q in queued], traces
+        finally:
+            worker.shutdown()
+
+    results, traces = asyncio.run(run())
+    assert results == ["lone", "late", "urgent", "later"]
+    (batch,) = [s for s in spans.get_finished_spans() if s.name == "tandem.target.compute"]
+    assert batch.context.trace_id == traces["urgent"] != traces["late"]
