@@ -164,7 +164,6 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
         batch_drafts = options.batch_drafts
         if batch_drafts is None:
             batch_drafts = auto_batch_drafts(model, options, runner)
-        self.batch_drafts = batch_drafts
         self.backend = replace(options, batch_drafts=batch_drafts).label  # names auto's choice
         if runner is None:
             if batch_drafts > 1:

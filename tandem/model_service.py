@@ -230,7 +230,7 @@ class ModelServiceBase:
             prefix_len, prefix_fp = prefix_len + len(part), fingerprint.extend(prefix_fp, part)
         return dataclasses.replace(call, prefix_len=prefix_len, prefix_fp=prefix_fp, new_tokens=tokens), done
 
-    async def run_batched(self, context, batcher, call, alone=None):
+    async def run_batched(self, context, batcher, call, alone):
         """As run_checked, through a tandem.batcher.CallBatcher (--batch-verifies,
         --batch-drafts); alone(): the call's work run by itself (its compute)."""
         return await self._mapped(context, batcher.submit(call, alone))

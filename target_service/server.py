@@ -99,7 +99,6 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
         runner = worker.start_up(target_runner, info, model.device, graphs)
         if batch_verifies is None:
             batch_verifies = auto_batch_verifies(model, info, runner)
-        self.batch_verifies = batch_verifies
         if batch_verifies > 1 and not hasattr(runner, "forward_batch"):
             if (reason := unsupported(info.model)) is not None:
                 raise ValueError(f"--batch-verifies needs the lean forward, which does not support {reason}")
