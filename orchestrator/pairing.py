@@ -167,6 +167,16 @@ class Pairing:
         self.fim_ends = fim.end_ids(tokenizer) if self.fim_format else frozenset()  # the vocabulary read once
 
     def _tree_width(self, target: common_pb2.ModelInfo) -> int:
+        """--tree-width, or auto's: the target's suggestion. 0 where the target
+        verifies the block alone (ModelInfo.block_only): alternatives sent to
+        it would be drafted for nothing."""
+        if target.block_only:
+            if self.config.tree_width:
+                log.warning("--tree-width %d: the target verifies the block alone (its lean forward, which batches "
+                            "verifies or replays CUDA graphs, has no token trees), so no alternatives are drafted; "
+                            "start the target with --batch-verifies 1 (and on a GPU --graphs off) for trees",
+                            self.config.tree_width)
+            return 0
         if self.config.tree_width is not None:
             return self.config.tree_width
         return min(target.tree_width, MAX_TREE_WIDTH)

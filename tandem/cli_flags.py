@@ -450,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "grows with its rows; auto = the width the target suggests: 4 for bf16 on packed layers "
                            "with AMX, else 0 (off); a target on --linear bf16dot, on a GPU with --graphs, or "
                            "batching verifies (--batch-verifies, on by default on a CPU but where the target "
-                           "suggests a width) verifies the block alone (default: %(default)s)")
+                           "suggests a width) verifies the block alone, and then no alternatives are drafted, whatever N "
+                           "(a warning says so) (default: %(default)s)")
     orch.add_argument("--relay-address", default="",
                       help="the draft service's address as the target reaches it (default: --draft)")
     orch.add_argument("--service-transport", choices=["stream", "unary"], default="stream",

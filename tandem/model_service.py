@@ -109,6 +109,7 @@ class ModelServiceBase:
 
     backend = "model"
     tree_width = 0  # ModelInfo.tree_width
+    block_only = False  # ModelInfo.block_only
     feeds_ahead = True  # whether a long prefill runs in chunks (prefill_ahead), where prefill_chunk is set
     role = "model"  # "draft" or "target": names spans and labels metrics
 
@@ -263,6 +264,7 @@ class ModelServiceBase:
             cpus=placement.cpus(),
             threads=torch.get_num_threads(),
             tree_width=self.tree_width,
+            block_only=self.block_only,
             prefill_chunk=self.prefill_chunk if self.feeds_ahead else 0,
             wire_version=WIRE_VERSION,
         )

@@ -111,6 +111,7 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
                                     lambda call: call.priority, span="tandem.target.compute")
                         if batch_verifies > 1 else None)
         self.tree_width = suggested_tree_width(model, runner)
+        self.block_only = not runner.verifies_trees
         self.relay = Relay()
 
     def _call(self, request) -> VerifyCall:

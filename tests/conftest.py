@@ -119,8 +119,11 @@ class Cluster:
         # relay: on in the test clusters (the server's default is off), so that
         # every end-to-end test runs through it as well as tests/test_relay.py.
         # tree_width: 4, where the server's auto gives these float32 models 0, so
-        # that every greedy end-to-end test verifies alternatives as well as
-        # tests/test_tree.py (None: auto). target_graphs: the target service's
+        # that every greedy end-to-end test on a target that verifies trees
+        # (target_batch=1 on a CPU) verifies alternatives as well as
+        # tests/test_tree.py; a target that batches verifies (the default on a
+        # CPU) verifies the block alone, and the orchestrator then drafts no
+        # alternatives (ModelInfo.block_only) (None: auto). target_graphs: the target service's
         # --graphs; auto replays CUDA graphs on a GPU (TANDEM_TEST_DEVICE=cuda),
         # whose verify takes the block alone (no alternatives). service_tls: the
         # model services' tandem.tls.ServerTls ("server") and the orchestrator's

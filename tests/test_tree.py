@@ -137,3 +137,28 @@ def test_auto_width_follows_the_target(tiny_models):
                 assert len(client.generate(prompt_ids=PROMPTS[0], max_tokens=12).token_ids) == 12
         finally:
             cluster.stop()
+
+
+def test_a_target_that_verifies_the_block_alone_gets_no_alternatives(tiny_models, near_draft, caplog):
+    """A target batching verifies (--batch-verifies 2: the lean forward, no token
+    trees) says so in ModelInfo.block_only; the orchestrator then drafts no
+    alternatives though --tree-width asked for 4, warns, and reports width 0,
+    and the output still equals the target alone. With --batch-verifies 1 on
+    Hugging Face's forward the same target verifies trees."""
+    for batch, block_only in ((2, True), (1, False)):
+        with caplog.at_level("WARNING", logger="orchestrator.pairing"):
+            cluster = Cluster(tiny_models["target"], near_draft, tree_width=4, target_graphs="off",
+                              target_batch=batch)
+        try:
+            with cluster.client() as client:
+                assert cluster.target.model_info().block_only is block_only
+                assert client.server_info().tree_width == (0 if block_only else 4)
+                warned = [r for r in caplog.records if "--tree-width 4" in r.getMessage()]
+                assert bool(warned) is block_only
+                result = client.generate(prompt_ids=PROMPTS[1], max_tokens=24, num_draft_tokens=4)
+                assert result.token_ids == reference_greedy(tiny_models["target"], PROMPTS[1], 24)
+                if block_only:
+                    assert result.stats.alternative_hits == 0
+        finally:
+            cluster.stop()
+        caplog.clear()
