@@ -257,3 +257,4 @@ def _format(args) -> dict | None:
 
 def switch(value: str | None) -> bool | None:
     """An on|off|auto flag as the configs take it: True, False, None (auto or unset)."""
+    return {"on": True, "off": False}.get(value)

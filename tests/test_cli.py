@@ -62,6 +62,18 @@ def test_sampling_flags_become_the_request_parameters():
             build_parser().parse_args(["generate", "x", *bad])
 
 
+def test_on_off_flags_become_the_configs_switches():
+    """--pipeline and --prefill-overlap on|off|auto reach the configs as True,
+    False and None (auto: the server decides)."""
+    from tandem.cli_flags import sampling_kwargs, switch
+
+    assert [switch(value) for value in ("on", "off", "auto", None)] == [True, False, None, None]
+    for value, expected in (("on", True), ("off", False)):
+        args = build_parser().parse_args(["serve", "orchestrator", "--pipeline", value, "--prefill-overlap", value])
+        assert (switch(args.pipeline), switch(args.prefill_overlap)) == (expected, expected)
+        assert sampling_kwargs(build_parser().parse_args(["generate", "x", "--pipeline", value]))["pipeline"] is expected
+
+
 def test_structured_output_flags_become_one_format(tmp_path):
     from tandem.cli_flags import sampling_kwargs as _sampling_kwargs
     from tandem.client import params_message
