@@ -14,72 +14,15 @@ from orchestrator.breaker import DraftBreaker
 from orchestrator.decoder import Decoder
 from orchestrator.policy import KPolicy, KPolicyConfig, PipelineChoice, StepCosts
 from orchestrator.replica_load import hold
-from orchestrator.rounds import Committed, RoundStats, ServiceView
+from orchestrator.request_metrics import RequestMetrics, finish_label
+from orchestrator.request_params import RequestParams, closed_in_prompt
+from orchestrator.rounds import Committed, ServiceView
 from orchestrator.store import SessionRecord, SessionStore
 from orchestrator.text import Detokenizer, cut_at_stop, first_stop, reasoning_tokens
 from tandem import telemetry
-from tandem.logprobs import MAX_TOP_LOGPROBS
-from tandem.sampling import SamplingParams
 from tandem.v1 import tandem_pb2
 
 log = logging.getLogger(__name__)
-
-
-MAX_STOP_TOKEN_IDS = 64
-
-
-@dataclass(frozen=True)
-class RequestParams:
-    """Per-request settings, checked on construction (ValueError → INVALID_ARGUMENT)."""
-
-    sampling: SamplingParams
-    max_tokens: int = 128
-    stop: tuple[str, ...] = ()
-    k: int = 0  # 0 = the server's policy
-    pipeline: bool | None = None  # None = the server's setting
-    seeded: bool = False  # the client chose the seed: the run must be reproducible
-    logprobs: int | None = None  # None: none; n: each token's log probability and the n most likely tokens'
-    ignore_eos: bool = False  # the model's end-of-sequence tokens do not end the request
-    stop_token_ids: frozenset[int] = frozenset()  # tokens that end it as a stop string does
-    echo: bool = False  # the first delta carries the prompt
-    prompt_logprobs: int | None = None  # and with it its tokens' log probabilities and the n likeliest
-    priority: int = 0  # its calls' place in the model services' queues, the lowest first
-    min_tokens: int = 0  # no end-of-sequence token (nor stop token id) among the first min_tokens
-    grammar: str = ""  # structured output: the completion follows this llguidance grammar (tandem.structured)
-    grammar_after: tuple[int, ...] = ()  # the grammar waits for these tokens (a reasoning's end: closed_in_prompt)
-    include_stop: bool = False  # the text keeps the stop string that ended it (include_stop_str_in_output)
-    # The completion's reasoning, counted in Usage.reasoning_tokens: its end's
-    # text and token ids (closed_in_prompt), and the text that opens it where
-    # the model opens it itself ("": it begins inside it).
-    reasoning_end: str = ""
-    reasoning_end_ids: tuple[int, ...] = ()
-    reasoning_start: str = ""
-    # Generate: keep the prompt's last n tokens; -1: as many as fit beside max_tokens (truncated)
-    truncate_prompt_tokens: int | None = None
-    skip_special_tokens: bool = True  # special tokens are left out of the text
-
-    def __post_init__(self):
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.k < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {self.k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
-        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
-                                                            or self.truncate_prompt_tokens >= 1):
-            raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens}")
-        if self.grammar and self.ignore_eos:
-            raise ValueError("structured output cannot be combined with ignore_eos: the end-of-sequence "
-                             "token is what ends a complete output")
-        if self.grammar and self.min_tokens:
-            raise ValueError("structured output cannot be combined with min_tokens: an output complete "
-                             "before min_tokens could not end")
 
 
 @dataclass(frozen=True)
@@ -265,7 +208,7 @@ class Generation:
                 span.set_attributes({
                     "tandem.session_id": record.session_id, "tandem.prompt_tokens": cached + len(turn),
                     "tandem.cached_prompt_tokens": cached,
-                    "tandem.completion_tokens": len(completion), "tandem.finish_reason": _reason(finish),
+                    "tandem.completion_tokens": len(completion), "tandem.finish_reason": finish_label(finish),
                     "tandem.rounds": decoder.stats.rounds, "tandem.drafted": decoder.stats.drafted,
                     "tandem.accepted": decoder.stats.accepted, "tandem.pipeline": pipeline})
         stats = decoder.stats
@@ -364,67 +307,6 @@ class Generation:
         return newly, tandem_pb2.FINISH_REASON_UNSPECIFIED, None
 
 
-class RequestMetrics:
-    """Feeds one request's measurements to the instruments: per-round values a
-    round at a time while the next round computes, counters once at the end,
-    from the same RoundStats the Completion reports. (The services record
-    their compute times themselves.)"""
-
-    def __init__(self, instruments: telemetry.Instruments):
-        self.i = instruments
-        self.done = dict(tokens_per_round=0, overhead_ms=0)
-        self.last_chunk = 0.0
-
-    def streamed(self, tokens: int, first_token_ms: float) -> None:
-        """After a chunk of `tokens` went out."""
-        if not self.i.enabled:
-            return
-        now = time.perf_counter()
-        if self.last_chunk:
-            self.i.inter_token_latency.record((now - self.last_chunk) / tokens)
-        else:
-            self.i.time_to_first_token.record(first_token_ms * 1e-3)
-        self.last_chunk = now
-
-    def record_rounds(self, stats: RoundStats) -> None:
-        if not self.i.enabled:
-            return
-        for name, histogram, scale in (("tokens_per_round", self.i.tokens_per_round, 1),
-                                       ("overhead_ms", self.i.round_overhead, 1e-3)):
-            values = getattr(stats, name)
-            for value in values[self.done[name]:]:
-                histogram.record(max(value, 0) * scale)  # an overhead is < 0 when timings overlap
-            self.done[name] = len(values)
-
-    def finish(self, stats: RoundStats, finish, completion_tokens: int, prompt_tokens: int, cached: int) -> None:
-        if not self.i.enabled:
-            return
-        self.record_rounds(stats)
-        i = self.i
-        i.requests.add(1, {"finish_reason": _reason(finish)})
-        i.completion_tokens.add(completion_tokens)
-        i.prompt_tokens.add(prompt_tokens)
-        i.cached_prompt_tokens.add(cached)
-        i.drafts.add(stats.rounds)
-        i.draft_tokens.add(stats.drafted)
-        i.accepted_tokens.add(stats.accepted)
-        for position, accepted in enumerate(stats.accepted_per_position):
-            i.accepted_per_position.add(accepted, {"position": position})
-        i.predraft_attempts.add(stats.predraft_attempts)
-        i.predraft_hits.add(stats.predraft_hits)
-        i.undrafted_rounds.add(stats.undrafted_rounds)
-        i.alternative_rounds.add(stats.alternative_hits)
-        i.draft_distribution_bytes.add(stats.distribution_bytes)
-
-
-def _reason(finish) -> str:
-    """The finish reason as a label: length, eos, stop, context, or unfinished
-    (the request failed or was cancelled)."""
-    if finish == tandem_pb2.FINISH_REASON_UNSPECIFIED:
-        return "unfinished"
-    return tandem_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
-
-
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
@@ -438,31 +320,3 @@ def _short_of_stop(text: str, stops) -> str:
         if any(len(stop) > len(text) - start and stop.startswith(text[start:]) for stop in stops):
             return text[:start]
     return text
-
-
-def truncated(prompt: list[int], params: RequestParams, context: int) -> list[int]:
-    """The prompt's last tokens that truncate_prompt_tokens keeps: n of them,
-    or with -1 as many as fit in the context window beside max_tokens."""
-    keep = params.truncate_prompt_tokens
-    if keep is None:
-        return prompt
-    if keep == -1:
-        keep = context - params.max_tokens
-        if keep < 1:
-            raise ValueError(f"max_tokens {params.max_tokens} leaves no room for a prompt in the context window "
-                             f"of {context}")
-    return prompt[-keep:]
-
-
-def closed_in_prompt(prompt: list[int], after: tuple[int, ...], tokenizer, most_spaces: int = 8) -> bool:
-    """Whether the prompt's text ends with `after`'s and then whitespace alone
-    (in its last len(after) + `most_spaces` tokens): a chat template that
-    closes the reasoning itself (Qwen3's with thinking off), so a grammar that
-    waits for the reasoning's end applies from the first token, and the
-    completion has no reasoning. By text, not
-    by tokens: a template's text may merge the tag's last characters with what
-    follows ("</think>\n" as "</", "think", ">\n")."""
-    if not after:
-        return False
-    tail = tokenizer.decode(prompt[-(len(after) + most_spaces):])
-    return tail.rstrip().endswith(tokenizer.decode(list(after)))

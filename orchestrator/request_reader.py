@@ -8,7 +8,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from orchestrator.generation import RequestParams
+from orchestrator.request_params import RequestParams
 from orchestrator.text import MAX_CHAT_TEMPLATE_CHARS, ChatTemplate
 from tandem.sampling import MAX_BAD_WORDS, MAX_GRAMMAR_AFTER, MAX_LOGIT_BIASES, SamplingParams
 from tandem.structured import FORMATS, build_grammar

@@ -12,7 +12,8 @@ from orchestrator import fim
 from orchestrator.auth import ApiKeys, call_tenant
 from orchestrator.backends import GrpcProposer, GrpcVerifier, ServiceCacheMiss, ServiceUnavailable
 from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import Generation, RequestParams, TurnOutcome, truncated
+from orchestrator.generation import Generation, TurnOutcome
+from orchestrator.request_params import RequestParams, truncated
 from orchestrator.guards import admitted, store_unavailable, tenant_quota
 from orchestrator.lifecycle import SessionLifecycle
 from orchestrator.load_board import LoadBoard

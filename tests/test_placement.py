@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from orchestrator.generation import EngineConfig, Generation, RequestParams
+from orchestrator.generation import EngineConfig, Generation
+from orchestrator.request_params import RequestParams
 from tandem import placement
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2

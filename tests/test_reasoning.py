@@ -266,7 +266,7 @@ def test_rows_before_the_grammar_begins_are_free_and_those_after_masked_from_the
 def test_a_prompt_that_closes_the_reasoning_itself_leaves_the_grammar_nothing_to_wait_for(models):  # noqa: F811
     from transformers import AutoTokenizer
 
-    from orchestrator.generation import closed_in_prompt
+    from orchestrator.request_params import closed_in_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(models["target"])
     after = tuple(tokenizer.encode("</think>", add_special_tokens=False))
@@ -284,7 +284,7 @@ def test_a_prompt_closes_the_reasoning_by_its_text_whatever_tokens_write_it():
     text (Qwen2.5's writes ".</think>\n" as ".</", "think", ">\n"): the text decides."""
     from transformers import AutoTokenizer
 
-    from orchestrator.generation import closed_in_prompt
+    from orchestrator.request_params import closed_in_prompt
     from tandem.default_models import resolve_model
     from tandem.grammar import GrammarMasks
 

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from orchestrator.backends import DraftBlock, VerifyResult
-from orchestrator.generation import EngineConfig, Generation, RequestParams, TurnOutcome, _short_of_stop
+from orchestrator.generation import EngineConfig, Generation, TurnOutcome, _short_of_stop
+from orchestrator.request_params import RequestParams
 from orchestrator.store import SessionStore
 from orchestrator.text import cut_at_stop, first_stop
 from tandem.sampling import SamplingParams
