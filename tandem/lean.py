@@ -22,7 +22,7 @@ the same 31 greedy tokens as the HF forward): a step took 17.1 ms against
 20.5 ms on one thread, and 12.0 ms against 15.2 ms on two (bench/RESULTS.md).
 
 With an int4 draft on tandem/i4w.c, a feed of up to 16 tokens runs its whole
-layer stack in one C call (_FusedLayers, tandem_i4w_layers): one step of the
+layer stack in one C call (FusedLayers, tandem_i4w_layers): one step of the
 default draft took 9.67 ms against 16.00 ms per op (Zen 4 VM, one thread).
 
 On a GPU a step is bound by the host: a few ms of kernels behind hundreds of
@@ -48,8 +48,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tandem import i4w
 from tandem.graphs import MAX_STATIC_ROWS, Bank
+from tandem.lean_fused import FUSED_ROWS, FusedLayers
+from tandem.static_kv import StaticKV
 
 log = logging.getLogger(__name__)
 
@@ -123,59 +124,6 @@ class _Layer:
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
 
 
-class StaticKV:
-    """A session's keys and values, [layers, kv_heads, capacity, head_dim] each;
-    the first `length` positions are valid. Grows by doubling. The positions
-    past the length hold zeros or stale keys, never garbage: the graphed step
-    attends over the whole capacity behind a mask, and a NaN in a masked
-    position still poisons the softmax (0 * NaN)."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 min_capacity: int = 256):
-        self.keys = torch.empty((layers, kv_heads, 0, head_dim), dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
-        self.length = 0
-        self.min_capacity = min_capacity
-
-    def reserve(self, length: int) -> None:
-        layers, heads, capacity, head_dim = self.keys.shape
-        if length <= capacity:
-            return
-        capacity = max(self.min_capacity, 1 << (length - 1).bit_length())
-        for name in ("keys", "values"):
-            held = getattr(self, name)
-            grown = held.new_zeros((layers, heads, capacity, head_dim))
-            grown[:, :, : self.length] = held[:, :, : self.length]
-            setattr(self, name, grown)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """As DynamicCache.crop in transformers 5.24: crop(-n) drops the last n tokens."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to drop, got {tokens_to_remove}")
-        self.length = max(0, self.length + tokens_to_remove)
-
-    def drop_partial_step(self, length: int) -> None:
-        """After a forward stopped between layers: its writes lie past `length`
-        and are never read."""
-        self.length = min(self.length, length)
-
-    def fork(self, length: int) -> "StaticKV":
-        """A copy of the first `length` positions in buffers of its own (the
-        whole capacity, so the positions past the length stay no garbage)."""
-        import copy
-
-        forked = copy.copy(self)
-        forked.keys, forked.values = self.keys.clone(), self.values.clone()
-        forked.length = min(length, self.length)
-        return forked
-
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-
 # A graphed runner's caches start here: a cache that grows moves on to a capacity
 # whose graphs may not be captured yet.
 GRAPH_MIN_CAPACITY = 1024
@@ -209,7 +157,7 @@ class LeanRunner:
         self.rotary_scale = float(getattr(base.rotary_emb, "attention_scaling", 1.0))
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self.before_layer: Callable[[], None] | None = None
-        self.fused = _FusedLayers.build(base.layers, self) if fused else None
+        self.fused = FusedLayers.build(base.layers, self) if fused else None
         if self.fused is not None:
             log.info("draft steps of up to %d tokens run their layers in tandem/i4w.c", FUSED_ROWS)
         if graphs and self.device.type != "cuda":
@@ -386,59 +334,6 @@ class LeanRunner:
         """As ModelRunner.last_hidden: the [hidden] state of the last token."""
         assert tokens
         return self.norm(self._hidden(kv, tokens)[-1:])[0]
-
-
-FUSED_ROWS = 16  # longer feeds (a prompt) take the per-op path, whose int4 layers then run their int8 copies
-
-
-class _FusedLayers:
-    """The layer stack as one call of tandem/i4w.c (tandem_i4w_layers), for a
-    float32 model whose every projection is an Int4Linear on the i4w kernel
-    (the int4 draft on a CPU with AVX512-VNNI or AVX2 and no AMX). The per-op path and
-    this compute the same function up to float32 rounding (another softmax and
-    exp); each keeps every row independent of the others in its forward."""
-
-    def __init__(self, table: torch.Tensor, keep: list[torch.Tensor], shape: dict, eps: tuple[float, float]):
-        self.table, self._keep, self.shape, self.eps = table, keep, shape, eps
-
-    @classmethod
-    def build(cls, layers, runner: "LeanRunner") -> "_FusedLayers | None":
-        from draft_service.cheap import Int4Linear
-
-        if runner.device.type != "cpu" or runner.dtype != torch.float32 or i4w.library() is None:
-            return None
-        if runner.head_dim % 2 or runner.head_dim > 512:
-            return None
-        rows, keep, eps = [], [], set()
-        shape = dict(hidden=runner.embedding.shape[1], heads=runner.heads, kv_heads=runner.kv_heads,
-                     head_dim=runner.head_dim, intermediate=None)
-        for layer in layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            modules = [getattr(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            modules += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-            if not all(isinstance(m, Int4Linear) and m.kernel == "i4w" and m.padded_out == m.out_features
-                       for m in modules):
-                return None
-            shape["intermediate"] = modules[4].out_features
-            norms = [n.weight.detach().float().contiguous() for n in (layer.input_layernorm,
-                                                                      layer.post_attention_layernorm)]
-            eps.add((float(layer.input_layernorm.variance_epsilon),
-                     float(layer.post_attention_layernorm.variance_epsilon)))
-            keep += norms
-            rows.append([m.packed.data_ptr() for m in modules]
-                        + [0 if m.bias is None else m.bias.data_ptr() for m in modules]
-                        + [t.data_ptr() for t in norms])
-        sizes = (shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"],
-                 shape["intermediate"])
-        if len(eps) != 1 or any(n % 16 for n in sizes):
-            return None
-        table = torch.tensor(rows, dtype=torch.int64)
-        assert table.shape[1] == len(i4w.LAYER_SLOTS), table.shape
-        return cls(table, keep, shape, eps.pop())
-
-    def __call__(self, x: torch.Tensor, kv: "StaticKV", start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        i4w.layers(self.table, x, self.shape, self.eps, kv.keys, kv.values, start, cos.contiguous(),
-                   sin.contiguous())
 
 
 def lean_runner(loaded, device: str, choice: str) -> LeanRunner | None:

@@ -10,10 +10,11 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from draft_service.cheap import Int4Linear, quantize_int4
 from draft_service.drafters import ModelDrafter
-from tandem.lean import MAX_STATIC_ROWS, LeanRunner, StaticKV, lean_runner, unsupported
 from tandem import i4w
+from tandem.lean import MAX_STATIC_ROWS, LeanRunner, lean_runner, unsupported
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load
 from tandem.session_cache import SessionCacheStore
+from tandem.static_kv import StaticKV
 from tests.test_decoder import _propose_call
 
 
