@@ -29,8 +29,9 @@ from aiohttp import web
 
 from orchestrator import reasoning_parsers
 from orchestrator.openai_api import Call, chat_call, completion_call, detokenize_request, tokenize_request
+from orchestrator.openai_chunks import Chunks
 from orchestrator.openai_params import ApiError
-from orchestrator.openai_response import Answer, Chunks, response
+from orchestrator.openai_response import Answer, response
 from orchestrator.openai_responses import Responses
 from orchestrator.prefix_cache import MIN_FORK
 from orchestrator.responses_routes import ResponsesRoutes

@@ -316,7 +316,7 @@ class Responses:
 
 
 class ResponseEvents:
-    """A streamed chat completion's chunks (openai_response.Chunks) as the
+    """A streamed chat completion's chunks (openai_chunks.Chunks) as the
     Response stream's events: response.created, then each output item
     (a message's text deltas, a function call's argument deltas) added,
     grown and done in turn, then response.completed (or .incomplete)."""

@@ -7,8 +7,9 @@ import pytest
 
 from orchestrator import tool_parsers
 from orchestrator.openai_api import chat_call
+from orchestrator.openai_chunks import Chunks
 from orchestrator.openai_params import ApiError
-from orchestrator.openai_response import Answer, Chunks, response
+from orchestrator.openai_response import Answer, response
 from tandem.v1 import tandem_pb2
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -10,7 +10,8 @@ import pytest
 
 from orchestrator import reasoning_parsers
 from orchestrator.openai_api import chat_call
-from orchestrator.openai_response import Answer, Chunks, response
+from orchestrator.openai_chunks import Chunks
+from orchestrator.openai_response import Answer, response
 from tandem.v1 import tandem_pb2
 from tests.test_openai_chunks import ASK, CALLS, CLOCK, WEATHER, _assembled, _deltas, _final, _named
 from tests.test_structured import cluster, models  # noqa: F401 (fixtures)

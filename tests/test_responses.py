@@ -185,7 +185,7 @@ def response_events(call, shape, text: str, size: int) -> list[dict]:
     """A streamed chat answer of `text`, in deltas of `size` characters, as
     the Response stream's events of `shape` (a Responses), from its first to
     its last."""
-    from orchestrator.openai_response import Chunks
+    from orchestrator.openai_chunks import Chunks
     from tandem.v1 import tandem_pb2
     from tests.test_openai_chunks import _deltas, _final
 
