@@ -219,7 +219,9 @@ class ReducedHead:
         (default int4_kernel())."""
         assert lm_head_weight.ndim == 2 and token_ids.ndim == 1
         self.vocab_size = lm_head_weight.shape[0]
+        token_ids = token_ids.unique(sorted=True)  # ascending: the order of a sparse Distribution's ids
         self.token_ids = token_ids.to(lm_head_weight.device)
+        self.ids_i32 = token_ids.cpu().numpy().astype("<i4").tobytes()  # SubsetDist.ids_i32, packed once
         int4 = int4 or int4_kernel()
         int4_input = torch.bfloat16 if quantize == "int4" and int4 == "aten" else torch.float32
         self.input_dtype = {"int8": torch.float32, "int4": int4_input}.get(quantize, lm_head_weight.dtype)
@@ -238,11 +240,20 @@ class ReducedHead:
         assert hidden.ndim == 1, hidden.shape
         return self.rows(hidden[None])[0]
 
-    @torch.inference_mode()
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] hidden states → [rows, vocab] float32 logits (several sessions' steps at once)."""
+        return self.scatter(self.subset_rows(hidden))
+
+    @torch.inference_mode()
+    def subset_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] hidden states → [rows, len(token_ids)] float32 logits
+        of the subset's tokens, in the order of token_ids (ascending)."""
         assert hidden.ndim == 2, hidden.shape
-        sub = self.linear(hidden.to(self.input_dtype))
-        full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=sub.device)
-        full[:, self.token_ids] = sub.float()
+        return self.linear(hidden.to(self.input_dtype)).float()
+
+    @torch.inference_mode()
+    def scatter(self, sub: torch.Tensor) -> torch.Tensor:
+        """[rows, len(token_ids)] subset logits → [rows, vocab], -inf elsewhere."""
+        full = torch.full((sub.shape[0], self.vocab_size), float("-inf"), device=sub.device)
+        full[:, self.token_ids] = sub
         return full

@@ -16,7 +16,7 @@ import torch
 from draft_service.cheap import ReducedHead
 from draft_service.ngram import lookup
 from tandem import rng
-from tandem.distributions import adjust_logits, logits_to_probs, sample
+from tandem.distributions import SubsetDist, adjust_logits, logits_to_probs, sample
 from tandem.lean import LeanRunner
 from tandem.modeling import ModelRunner
 from tandem.sampling import SamplingParams
@@ -41,7 +41,7 @@ class ProposeCall:
 class Proposal:
     tokens: list[int]
     token_probs: list[float]  # [k] under sampling, else []
-    dists: list[torch.Tensor]  # k × [vocab] when asked for, else []
+    dists: list[torch.Tensor | SubsetDist]  # k × [vocab] (or a reduced head's subset) when asked for, else []
     prefilled: int
     cropped: int
     compute_ms: float
@@ -71,6 +71,21 @@ def draw(logits: torch.Tensor, call: ProposeCall, position: int, first: bool, to
     stream = rng.TARGET if (first and call.first_is_bonus_guess) else rng.DRAFT
     token = sample(dist, rng.uniform(call.sampling.seed, stream, position))
     return token, float(dist[token]), dist
+
+
+def draw_subset(logits: torch.Tensor, head: ReducedHead, call: ProposeCall, position: int, first: bool):
+    """As draw, from [len(head.token_ids)] logits of a reduced head's tokens,
+    for a call that adjusts no logit (a bias, a penalty or a mask would need
+    the whole vocabulary): the same token as draw over the head's logits
+    spread over the vocabulary (greedy: the first of the highest, the ids
+    ascending; sampled: the same cumulative masses, up to the last bits of
+    the softmax's sum), and its distribution as a SubsetDist."""
+    if call.sampling.greedy:
+        return int(head.token_ids[int(logits.argmax())]), None, None
+    probs = logits_to_probs(logits[None], call.sampling, position)[0]
+    stream = rng.TARGET if (first and call.first_is_bonus_guess) else rng.DRAFT
+    index = sample(probs, rng.uniform(call.sampling.seed, stream, position))
+    return int(head.token_ids[index]), float(probs[index]), SubsetDist(head.ids_i32, probs, head.vocab_size)
 
 
 def guess_then_fresh(cache: SessionCache, call: ProposeCall, propose_from) -> Proposal:
@@ -160,6 +175,8 @@ class _Block:
         self.steps_ms: list[float] = []
         self.runners_up: list[int] = []
         self.ranks = call.alternatives and call.sampling.greedy
+        # The step's logits over the reduced head's tokens alone (ModelDrafter.subset_for).
+        self.head = drafter.subset_for(call)
         self.done = False
 
     def feed(self) -> list[int]:
@@ -169,12 +186,20 @@ class _Block:
         return self.cache.unfed()
 
     def take(self, logits: torch.Tensor, step_start: float) -> None:
-        """Ends the step with the [vocab] logits of the next token."""
-        call, cache = self.call, self.cache
+        """Ends the step with the logits of the next token: [vocab], or with
+        self.head [len(self.head.token_ids)]."""
+        call, cache, head = self.call, self.cache, self.head
+        index = None  # the token's place in `logits`, where it is not its id
         if self.ranks:  # greedy: the token and its runner-up in one pass over the logits
             ranked = adjust_logits(logits[None], call.sampling, len(cache), cache.tokens)[0]
-            token, runner_up = ranked.topk(2).indices.tolist()
+            top = ranked.topk(2).indices
+            index = int(top[0])
+            token, runner_up = (head.token_ids[top] if head is not None else top).tolist()
             drawn = None if call.sampling.masks_tokens and ranked[token] == float("-inf") else (token, None, None)
+        elif head is not None:
+            drawn = draw_subset(logits, head, call, position=len(cache), first=not self.tokens)
+            if call.sampling.greedy:
+                index = int(logits.argmax())
         else:
             drawn = draw(logits, call, position=len(cache), first=not self.tokens, tokens=cache.tokens)
         if drawn is None:  # the grammar (or allowed_ids) allows none of the tokens this draft scores
@@ -191,7 +216,8 @@ class _Block:
             self.probs.append(prob)
             if call.return_dists:
                 self.dists.append(dist)
-        self.done = len(self.tokens) >= call.num_tokens or self.drafter._doubts(logits, token, call, len(self.tokens))
+        self.done = len(self.tokens) >= call.num_tokens or self.drafter._doubts(
+            logits, token if index is None else index, call, len(self.tokens))
 
     def proposal(self) -> Proposal:
         steps_ms = self.steps_ms
@@ -236,21 +262,33 @@ class ModelDrafter:
         if self._cancelled is not None and self._cancelled.is_set():
             raise StepAborted
 
-    def _doubts(self, logits: torch.Tensor, token: int, call: ProposeCall, drafted: int) -> bool:
-        """Whether to stop after `drafted` tokens: greedy only, and a pre-draft
-        keeps at least its bonus guess and one token after it."""
+    def _doubts(self, logits: torch.Tensor, index: int, call: ProposeCall, drafted: int) -> bool:
+        """Whether to stop after `drafted` tokens, the last at `index` of the
+        step's logits: greedy only, and a pre-draft keeps at least its bonus
+        guess and one token after it."""
         if not self.min_confidence or not call.sampling.greedy or drafted >= call.num_tokens:
             return False
         if drafted < (2 if call.first_is_bonus_guess else 1):
             return False
-        return float(torch.softmax(logits, dim=-1)[token]) < self.min_confidence
+        return float(torch.softmax(logits, dim=-1)[index]) < self.min_confidence
 
-    def _next_logits(self, cache: SessionCache) -> torch.Tensor:
-        """Runs the unfed history through the model; [vocab] logits of the next token."""
+    def subset_for(self, call: ProposeCall) -> ReducedHead | None:
+        """The reduced head, where a call's tokens are drawn from its logits
+        alone, not spread over the whole vocabulary: a call whose sampling
+        adjusts no logit (draw_subset); else None."""
+        if self.head is None or call.sampling.adjusts or len(self.head.token_ids) < 2:
+            return None
+        return self.head
+
+    def _next_logits(self, cache: SessionCache, subset: bool = False) -> torch.Tensor:
+        """Runs the unfed history through the model; [vocab] logits of the
+        next token, or with `subset` the reduced head's [len(token_ids)]."""
         if self.head is None:
             logits = self.runner.forward(cache.kv, cache.unfed(), logits_to_keep=1)[0]
         else:
-            logits = self.head(self.runner.last_hidden(cache.kv, cache.unfed()))
+            hidden = self.runner.last_hidden(cache.kv, cache.unfed())
+            logits = self.head.subset_rows(hidden[None])
+            logits = (logits if subset else self.head.scatter(logits))[0]
         cache.mark_fed()
         return logits
 
@@ -268,7 +306,7 @@ class ModelDrafter:
                 step_start = time.perf_counter()
                 block.feed()
                 try:
-                    logits = self._next_logits(cache)
+                    logits = self._next_logits(cache, subset=block.head is not None)
                 except StepAborted:
                     if not cache.drop_partial_step():
                         self.store.release(call.session_id)
@@ -309,7 +347,7 @@ class ModelDrafter:
             while live := [block for _, block, cancelled in blocks if not block.done and not cancelled.is_set()]:
                 step_start = time.perf_counter()
                 feeds = [(block.cache.kv, block.feed(), 1) for block in live]
-                for block, logits in zip(live, self._batch_logits(feeds)):
+                for block, logits in zip(live, self._batch_logits(feeds, [block.head is not None for block in live])):
                     block.cache.mark_fed()
                     block.take(logits, step_start)
         except Exception as err:
@@ -322,11 +360,13 @@ class ModelDrafter:
             results[index] = block.proposal()
         return results
 
-    def _batch_logits(self, feeds) -> list[torch.Tensor]:
-        """[vocab] logits of each feed's next token, the feeds in one forward."""
+    def _batch_logits(self, feeds, subset: list[bool]) -> list[torch.Tensor]:
+        """[vocab] logits of each feed's next token, the feeds in one forward;
+        the reduced head's alone for a feed whose `subset` is True."""
         if self.head is None:
             return [logits[0] for logits in self.runner.forward_batch(feeds)]
-        return list(self.head.rows(self.runner.hidden_batch(feeds)))
+        rows = self.head.subset_rows(self.runner.hidden_batch(feeds))
+        return [row if alone else self.head.scatter(row[None])[0] for row, alone in zip(rows, subset)]
 
     def propose(self, call: ProposeCall, cancelled: threading.Event) -> Proposal:
         start = time.perf_counter()

@@ -8,6 +8,7 @@ target-only sampling would draw from (DESIGN §2, invariant 4).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -161,9 +162,29 @@ def sample(probs: torch.Tensor, u: float) -> int:
     return index
 
 
-def encode_distribution(dist: torch.Tensor) -> common_pb2.Distribution:
+@dataclass(frozen=True, eq=False)
+class SubsetDist:
+    """A distribution that is zero outside a fixed set of ids: `probs` over
+    the ids that `ids_i32` packs (ascending, little-endian int32), in a
+    vocabulary of `vocab_size`. What a reduced draft head draws from
+    (draft_service.cheap.ReducedHead), kept in the subset's space: spreading
+    it over the whole vocabulary and finding its non-zero entries again cost
+    more than the draw itself (2.06 ms against 0.05 for a 32k subset of
+    151,936, one thread of a Zen 5 VM)."""
+
+    ids_i32: bytes
+    probs: torch.Tensor  # [len(ids)] float32
+    vocab_size: int
+
+
+def encode_distribution(dist: torch.Tensor | SubsetDist) -> common_pb2.Distribution:
     """[vocab] probabilities → Distribution: sparse (ids and probabilities as
-    packed bytes) when under half the entries are non-zero, else dense."""
+    packed bytes) when under half the entries are non-zero, else dense. A
+    SubsetDist goes sparse over its ids, zeros included."""
+    if isinstance(dist, SubsetDist):
+        return common_pb2.Distribution(sparse_ids_i32=dist.ids_i32, vocab_size=dist.vocab_size,
+                                       sparse_probs_f32=dist.probs.detach().float().cpu().numpy().astype("<f4")
+                                       .tobytes())
     assert dist.ndim == 1, dist.shape
     dist = dist.detach().float().cpu()
     vocab = dist.shape[0]
