@@ -167,10 +167,11 @@ class SubsetDist:
     """A distribution that is zero outside a fixed set of ids: `probs` over
     the ids that `ids_i32` packs (ascending, little-endian int32), in a
     vocabulary of `vocab_size`. What a reduced draft head draws from
-    (draft_service.cheap.ReducedHead), kept in the subset's space: spreading
-    it over the whole vocabulary and finding its non-zero entries again cost
-    more than the draw itself (2.06 ms against 0.05 for a 32k subset of
-    151,936, one thread of a Zen 5 VM)."""
+    (draft_service.cheap.ReducedHead), kept in the subset's space, not spread
+    over the whole vocabulary for its non-zero entries to be found again: with
+    the default pair's 32k head, a sampled round's time in the services'
+    handlers beyond their compute fell from 2.79-3.66 ms to 1.64-1.81 ms p50
+    (three pairs of runs on a Zen 5 VM, bench/RESULTS.md)."""
 
     ids_i32: bytes
     probs: torch.Tensor  # [len(ids)] float32
