@@ -31,8 +31,8 @@ from orchestrator import http_stream, reasoning_parsers
 from orchestrator.openai_api import Call, chat_call, completion_call, detokenize_request, tokenize_request
 from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import response
-from orchestrator.openai_responses import Responses
 from orchestrator.prefix_cache import MIN_FORK
+from orchestrator.responses_answer import Responses
 from orchestrator.responses_routes import ResponsesRoutes
 from tandem import serving, telemetry
 from tandem.serving import MAX_MESSAGE_BYTES

@@ -15,7 +15,7 @@ from orchestrator.openai_api import Call
 from orchestrator.openai_chunks import Chunks
 from orchestrator.openai_params import ApiError
 from orchestrator.openai_response import Answer
-from orchestrator.openai_responses import Responses
+from orchestrator.responses_answer import Responses
 from tandem.v1 import tandem_pb2
 
 log = logging.getLogger(__name__)

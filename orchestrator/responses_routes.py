@@ -20,7 +20,8 @@ from aiohttp import web
 
 from orchestrator.openai_params import ApiError
 from orchestrator.conversations import TIMEOUT_S, Conversations, input_items, page
-from orchestrator.openai_responses import Responses, conversation_id, previous_id, responses_call, truncation
+from orchestrator.openai_responses import conversation_id, previous_id, responses_call, truncation
+from orchestrator.responses_answer import Responses
 from tandem.v1 import tandem_pb2
 
 

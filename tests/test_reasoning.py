@@ -138,7 +138,7 @@ def test_forced_tool_calls_come_after_the_reasoning_and_set_its_grammar_waiting(
 
 
 def test_a_responses_stream_has_a_reasoning_item_before_the_message():
-    from orchestrator.openai_responses import Responses
+    from orchestrator.responses_answer import Responses
 
     from tests.test_responses import response_events
 
@@ -171,7 +171,8 @@ def test_reasoning_effort_is_the_chat_templates_variable_of_that_name():
     import json
 
     from orchestrator.openai_params import ApiError
-    from orchestrator.openai_responses import Responses, responses_call
+    from orchestrator.openai_responses import responses_call
+    from orchestrator.responses_answer import Responses
 
     def variables(call):
         return json.loads(call.request.messages.chat_template_kwargs_json or "null")

@@ -202,7 +202,7 @@ def test_text_then_calls_stream_as_a_message_item_then_function_call_items():
     """Without a model: hermes' answer (text, then three calls) through
     Chunks and the Response events, against the whole Response."""
     from orchestrator.openai_response import Answer, response
-    from orchestrator.openai_responses import Responses
+    from orchestrator.responses_answer import Responses
     from tests.test_openai_chunks import CALLS, WRITTEN, _auto, _deltas, _final
     from tandem.v1 import tandem_pb2
 
