@@ -235,11 +235,6 @@ class ReducedHead:
         else:
             self.linear = linear if kernel == "native" else pack_linear(linear, kernel)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[hidden] last hidden state → [vocab] float32 logits."""
-        assert hidden.ndim == 1, hidden.shape
-        return self.rows(hidden[None])[0]
-
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] hidden states → [rows, vocab] float32 logits (several sessions' steps at once)."""
         return self.scatter(self.subset_rows(hidden))
