@@ -189,17 +189,13 @@ class _Block:
         """Ends the step with the logits of the next token: [vocab], or with
         self.head [len(self.head.token_ids)]."""
         call, cache, head = self.call, self.cache, self.head
-        index = None  # the token's place in `logits`, where it is not its id
         if self.ranks:  # greedy: the token and its runner-up in one pass over the logits
             ranked = adjust_logits(logits[None], call.sampling, len(cache), cache.tokens)[0]
             top = ranked.topk(2).indices
-            index = int(top[0])
             token, runner_up = (head.token_ids[top] if head is not None else top).tolist()
             drawn = None if call.sampling.masks_tokens and ranked[token] == float("-inf") else (token, None, None)
         elif head is not None:
             drawn = draw_subset(logits, head, call, position=len(cache), first=not self.tokens)
-            if call.sampling.greedy:
-                index = int(logits.argmax())
         else:
             drawn = draw(logits, call, position=len(cache), first=not self.tokens, tokens=cache.tokens)
         if drawn is None:  # the grammar (or allowed_ids) allows none of the tokens this draft scores
@@ -216,8 +212,8 @@ class _Block:
             self.probs.append(prob)
             if call.return_dists:
                 self.dists.append(dist)
-        self.done = len(self.tokens) >= call.num_tokens or self.drafter._doubts(
-            logits, token if index is None else index, call, len(self.tokens))
+        self.done = len(self.tokens) >= call.num_tokens or self.drafter._doubts(logits, token, call, len(self.tokens),
+                                                                                head)
 
     def proposal(self) -> Proposal:
         steps_ms = self.steps_ms
@@ -262,14 +258,16 @@ class ModelDrafter:
         if self._cancelled is not None and self._cancelled.is_set():
             raise StepAborted
 
-    def _doubts(self, logits: torch.Tensor, index: int, call: ProposeCall, drafted: int) -> bool:
-        """Whether to stop after `drafted` tokens, the last at `index` of the
-        step's logits: greedy only, and a pre-draft keeps at least its bonus
-        guess and one token after it."""
+    def _doubts(self, logits: torch.Tensor, token: int, call: ProposeCall, drafted: int,
+                head: ReducedHead | None = None) -> bool:
+        """Whether to stop after `drafted` tokens, the last `token`, from the
+        step's logits (over `head`'s tokens where given): greedy only, and a
+        pre-draft keeps at least its bonus guess and one token after it."""
         if not self.min_confidence or not call.sampling.greedy or drafted >= call.num_tokens:
             return False
         if drafted < (2 if call.first_is_bonus_guess else 1):
             return False
+        index = token if head is None else int(torch.searchsorted(head.token_ids, token))
         return float(torch.softmax(logits, dim=-1)[index]) < self.min_confidence
 
     def subset_for(self, call: ProposeCall) -> ReducedHead | None:

@@ -11,14 +11,12 @@ from transformers import AutoModelForCausalLM
 
 from draft_service.cheap import ReducedHead
 from draft_service.drafters import ModelDrafter, ProposeCall, draw, draw_subset
-from draft_service.server import DraftOptions, _load_draft
+from draft_service.server import DraftOptions
 from tandem import fingerprint
 from tandem.distributions import SubsetDist, decode_distribution, encode_distribution
-from tandem.lean import LeanRunner
-from tandem.modeling import ModelConfig
 from tandem.sampling import SamplingParams
-from tandem.session_cache import SessionCacheStore
 from tests.conftest import Cluster
+from tests.test_batching import _drafter
 
 VOCAB, HIDDEN = 1000, 16
 SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.7, seed=11), SamplingParams(temperature=1.0, seed=5, top_k=20),
@@ -64,12 +62,6 @@ def test_a_draw_over_the_subset_is_the_draw_over_the_whole_vocabulary(sampling):
             torch.testing.assert_close(decode_distribution(message), expected_dist, rtol=1e-5, atol=1e-7)
 
 
-def _drafter(tiny_models) -> ModelDrafter:
-    info, head = _load_draft(ModelConfig(tiny_models["other"], dtype="float32"), DraftOptions(vocab_subset=40))
-    runner = LeanRunner(info, "cpu", fused=False)
-    return ModelDrafter(runner, SessionCacheStore(runner.new_cache), head)
-
-
 @pytest.mark.parametrize("sampling", SAMPLINGS + [SamplingParams(temperature=0.8, seed=4, logit_bias=((7, 2.0),))],
                          ids=["greedy", "t0.7", "top_k", "top_p", "min_p", "biased"])
 def test_a_drafter_drafts_over_the_subset_what_it_drafts_over_the_vocabulary(tiny_models, monkeypatch, sampling):
@@ -81,7 +73,7 @@ def test_a_drafter_drafts_over_the_subset_what_it_drafts_over_the_vocabulary(tin
     call = ProposeCall("s", 3, fingerprint.of(history[:3]), history[3:], 5, sampling, True, True, alternatives=True)
     proposals = []
     for subset in (True, False):
-        drafter = _drafter(tiny_models)
+        drafter = _drafter(tiny_models, vocab_subset=40)
         if not subset:
             monkeypatch.setattr(drafter, "subset_for", lambda call: None)
         elif not sampling.adjusts:
@@ -97,6 +89,21 @@ def test_a_drafter_drafts_over_the_subset_what_it_drafts_over_the_vocabulary(tin
     assert kinds <= ({torch.Tensor} if sampling.adjusts else {SubsetDist})
     for mine, theirs in zip(fast.dists, spread.dists):
         torch.testing.assert_close(decode_distribution(encode_distribution(mine)), theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_a_doubted_token_is_found_among_the_subset_s_logits():
+    """min_confidence over the subset's logits weighs the token at its own
+    place there (not at its id), as over the logits spread across the vocabulary."""
+    from types import SimpleNamespace
+
+    head, _ = _head([500, 3, 999, 42])
+    sub = torch.tensor([0.0, 4.0, -1.0, 1.0])  # 3, 42, 500, 999: 42 likely, 500 not
+    full = head.scatter(sub[None])[0]
+    drafter = SimpleNamespace(min_confidence=0.5)
+    call = ProposeCall("s", 0, 0, [1], 4, SamplingParams(), False, False)
+    for token, doubted in ((42, False), (500, True), (3, True)):
+        assert ModelDrafter._doubts(drafter, sub, token, call, 1, head) is doubted
+        assert ModelDrafter._doubts(drafter, full, token, call, 1) is doubted
 
 
 def test_sampled_tokens_keep_the_target_distribution_with_a_reduced_draft_head(tiny_models):
