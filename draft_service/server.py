@@ -12,7 +12,7 @@ from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter
 from draft_service.prepared import Overtaken, Prepared, skip_held
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears
-from tandem.distributions import encode_distribution
+from tandem.distributions import encode_distributions
 from tandem.batcher import CallBatcher
 from tandem.lean import LEAN_STEP, lean_runner, unsupported
 from tandem.model_service import INLINE_MAX_ROWS, CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
@@ -338,10 +338,12 @@ class DraftServicer(ModelServiceBase, draft_pb2_grpc.DraftServiceServicer):
                 span.set_attributes({"tandem.drafted": len(proposal.tokens), "tandem.prefilled": proposal.prefilled,
                                      "tandem.cropped": proposal.cropped, "tandem.compute_ms": proposal.compute_ms,
                                      "tandem.prepared": taken is not None})
+            distributions, distribution_ids = encode_distributions(proposal.dists)
             return draft_pb2.ProposeReply(
                 tokens=proposal.tokens,
                 token_probs=proposal.token_probs,
-                distributions=[encode_distribution(d) for d in proposal.dists],
+                distributions=distributions,
+                distribution_ids_i32=distribution_ids,
                 prefilled_tokens=proposal.prefilled,
                 cropped_tokens=proposal.cropped,
                 compute_ms=proposal.compute_ms,

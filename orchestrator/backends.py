@@ -46,6 +46,7 @@ class DraftBlock:
     latency_ms: float = 0.0  # as seen by the orchestrator
     prepared: bool = False  # the target's relay began its drafting (DraftService.Prepare)
     alternatives: list[int] = field(default_factory=list)  # greedy: a runner-up for each of the first tokens (a tree)
+    distribution_ids: bytes = b""  # under sampling: the ids of the rows with shared_ids (distribution_ids_i32)
 
     def with_tree(self, width: int) -> "DraftBlock":
         """The block with the runner-ups of its first `width` tokens as the
@@ -61,6 +62,7 @@ class DraftBlock:
             tokens=self.tokens[1:],
             token_probs=self.token_probs[1:],
             distributions=self.distributions[1:],
+            distribution_ids=self.distribution_ids,
             compute_ms=self.compute_ms,
             step_ms=self.step_ms,
             handler_ms=self.handler_ms,
@@ -215,6 +217,7 @@ class GrpcProposer(_GrpcClient):
             tokens=list(reply.tokens),
             token_probs=list(reply.token_probs),
             distributions=list(reply.distributions),
+            distribution_ids=reply.distribution_ids_i32,
             prefilled=reply.prefilled_tokens,
             compute_ms=reply.compute_ms,
             step_ms=reply.step_ms,
@@ -246,6 +249,7 @@ class GrpcVerifier(_GrpcClient):
             draft_tokens=block.tokens,
             draft_probs=block.token_probs,
             draft_distributions=block.distributions,
+            draft_distribution_ids_i32=block.distribution_ids,
             sampling=sampling_to_proto(sampling),
             alternative_positions=range(len(block.alternatives)),
             alternative_tokens=block.alternatives,

@@ -8,7 +8,7 @@ import threading
 from orchestrator.backends import DraftBlock, Prefix, ServiceCacheMiss, VerifyResult
 from tandem.sampling import SamplingParams
 from tandem.session_cache import CacheMiss
-from tandem.distributions import decode_distribution, encode_distribution
+from tandem.distributions import decode_distributions, encode_distributions
 
 
 class InProcessProposer:
@@ -26,9 +26,10 @@ class InProcessProposer:
             proposal = self.drafter.propose(call, threading.Event())
         except CacheMiss as miss:
             raise ServiceCacheMiss(str(miss)) from None
-        return DraftBlock(proposal.tokens, proposal.token_probs, [encode_distribution(d) for d in proposal.dists],
-                          proposal.prefilled, proposal.compute_ms, proposal.step_ms,
-                          alternatives=proposal.alternatives)
+        distributions, distribution_ids = encode_distributions(proposal.dists)
+        return DraftBlock(proposal.tokens, proposal.token_probs, distributions, proposal.prefilled,
+                          proposal.compute_ms, proposal.step_ms, alternatives=proposal.alternatives,
+                          distribution_ids=distribution_ids)
 
     async def release(self, session_id: str) -> None:
         self.drafter.store.release(session_id)
@@ -44,11 +45,9 @@ class InProcessVerifier:
     async def verify(self, session_id: str, prefix: Prefix, new_tokens: list[int], block: DraftBlock,
                      sampling: SamplingParams, logprobs: int | None = None,
                      prompt_logprobs: int | None = None, priority: int = 0) -> VerifyResult:
-        import torch
-
         from target_service.verifier import VerifyCall
 
-        dists = torch.stack([decode_distribution(d) for d in block.distributions]) if block.distributions else None
+        dists = decode_distributions(block.distributions, block.distribution_ids) if block.distributions else None
         call = VerifyCall(session_id, prefix.length, prefix.fingerprint, list(new_tokens), list(block.tokens),
                           list(block.token_probs), dists, sampling, tuple(enumerate(block.alternatives)), logprobs,
                           prompt_logprobs)

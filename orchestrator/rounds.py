@@ -42,7 +42,7 @@ class RoundStats:
         self.rounds += 1
         self.tokens_per_round.append(result.accepted + 1 + len(result.more_tokens))
         self.alternative_hits += bool(result.more_tokens)
-        self.distribution_bytes += sum(d.ByteSize() for d in block.distributions)
+        self.distribution_bytes += sum(d.ByteSize() for d in block.distributions) + len(block.distribution_ids)
         self.drafted += k
         self.accepted += result.accepted
         self.rejected_rounds += result.accepted < k

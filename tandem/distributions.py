@@ -184,8 +184,7 @@ def encode_distribution(dist: torch.Tensor | SubsetDist) -> common_pb2.Distribut
     SubsetDist goes sparse over its ids, zeros included."""
     if isinstance(dist, SubsetDist):
         return common_pb2.Distribution(sparse_ids_i32=dist.ids_i32, vocab_size=dist.vocab_size,
-                                       sparse_probs_f32=dist.probs.detach().float().cpu().numpy().astype("<f4")
-                                       .tobytes())
+                                       sparse_probs_f32=_packed(dist.probs))
     assert dist.ndim == 1, dist.shape
     dist = dist.detach().float().cpu()
     vocab = dist.shape[0]
@@ -198,14 +197,94 @@ def encode_distribution(dist: torch.Tensor | SubsetDist) -> common_pb2.Distribut
     return common_pb2.Distribution(dense_f32=dist.numpy().astype("<f4").tobytes(), vocab_size=vocab)
 
 
+def _packed(probs: torch.Tensor) -> bytes:
+    return probs.detach().float().cpu().numpy().astype("<f4").tobytes()
+
+
+def encode_distributions(dists: Sequence[torch.Tensor | SubsetDist]) -> tuple[list[common_pb2.Distribution], bytes]:
+    """A block's distributions → their Distributions and the ids that those
+    with shared_ids are over (ProposeReply.distribution_ids_i32; b"" when
+    none): the ids of the first SubsetDist go once, and every SubsetDist over
+    the same ids sends its probabilities alone. With the default pair's 32k
+    head a sampled block of 4 rows is then 0.66 MB on the wire instead of 1.05 MB."""
+    shared = next((d.ids_i32 for d in dists if isinstance(d, SubsetDist)), b"")
+    msgs = [common_pb2.Distribution(shared_ids=True, sparse_probs_f32=_packed(d.probs), vocab_size=d.vocab_size)
+            if isinstance(d, SubsetDist) and d.ids_i32 == shared else encode_distribution(d) for d in dists]
+    return msgs, shared
+
+
+def decode_distributions(msgs: Sequence[common_pb2.Distribution], shared_ids: bytes = b"") -> torch.Tensor:
+    """A block's Distributions (and the ids that those with shared_ids are
+    over) → [len(msgs), vocab_size] probabilities, one row each; raises
+    ValueError (with words) on a malformed one (see decode_distribution), on
+    rows of different vocab_size, and on a row with shared_ids when no ids
+    are shared. The shared ids are checked once, and their rows are spread
+    over the vocabulary in one step."""
+    if not msgs:
+        raise ValueError("no distributions to decode")
+    vocab = msgs[0].vocab_size
+    if vocab < 1:
+        raise ValueError(f"a distribution needs vocab_size >= 1, got {vocab}")
+    if any(msg.vocab_size != vocab for msg in msgs):
+        raise ValueError("the distributions differ in vocab_size")
+    ids = None
+    if any(msg.shared_ids for msg in msgs):
+        if not shared_ids:
+            raise ValueError("a distribution has shared_ids but no ids are shared (distribution_ids_i32 is empty)")
+        ids = _checked_ids(shared_ids, vocab)
+    out = torch.zeros(len(msgs), vocab, dtype=torch.float32)
+    rows = [i for i, msg in enumerate(msgs) if msg.shared_ids]
+    if rows:
+        values = torch.from_numpy(np.stack([_sparse_values(msgs[i], ids) for i in rows]))  # a copy: writable
+        columns = torch.from_numpy(ids.astype(np.int64))
+        if len(rows) == len(msgs):
+            out[:, columns] = values
+        else:
+            out[torch.tensor(rows)[:, None], columns[None, :]] = values
+    for i, msg in enumerate(msgs):
+        if not msg.shared_ids:
+            out[i] = decode_distribution(msg)
+    return out
+
+
+def _checked_ids(ids_i32: bytes, vocab: int) -> np.ndarray:
+    if len(ids_i32) % 4:
+        raise ValueError(f"a sparse distribution has {len(ids_i32)} bytes of ids: 4 bytes each")
+    ids = np.frombuffer(ids_i32, dtype="<i4")
+    if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= vocab):
+        raise ValueError(f"a sparse distribution has ids outside [0, {vocab})")
+    if (np.diff(ids) <= 0).any():  # so each id comes once
+        raise ValueError("a sparse distribution's ids must ascend")
+    return ids
+
+
+def _sparse_values(msg: common_pb2.Distribution, ids: np.ndarray) -> np.ndarray:
+    """The probabilities of a row with shared_ids, checked against the ids."""
+    if msg.dense_f32 or msg.sparse_ids_i32:
+        raise ValueError("a distribution needs exactly one form: one with shared_ids has sparse_probs_f32 alone")
+    if len(msg.sparse_probs_f32) != 4 * len(ids):
+        raise ValueError(f"a sparse distribution over {len(ids)} shared ids has {len(msg.sparse_probs_f32)} bytes "
+                         f"of probabilities: 4 bytes each, as many as the ids")
+    return _checked_values(np.frombuffer(msg.sparse_probs_f32, dtype="<f4"))
+
+
+def _checked_values(values: np.ndarray) -> np.ndarray:
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError("a distribution has negative or non-finite probabilities")
+    return values
+
+
 def decode_distribution(msg: common_pb2.Distribution) -> torch.Tensor:
     """Distribution → [vocab_size] probabilities; raises ValueError (with words)
     on a malformed one: neither form or both, a dense length other than
     vocab_size, sparse ids and probabilities of different counts, ids that do
     not ascend or lie outside [0, vocab_size), or probabilities that are
-    negative or not finite."""
+    negative or not finite. One with shared_ids needs its block's ids:
+    decode_distributions."""
     if msg.vocab_size < 1:
         raise ValueError(f"a distribution needs vocab_size >= 1, got {msg.vocab_size}")
+    if msg.shared_ids:
+        raise ValueError("a distribution with shared_ids is decoded with its block's ids (decode_distributions)")
     sparse = bool(msg.sparse_ids_i32 or msg.sparse_probs_f32)
     if bool(msg.dense_f32) == sparse:
         raise ValueError("a distribution needs exactly one form: dense_f32, or sparse_ids_i32 with sparse_probs_f32")
@@ -213,21 +292,13 @@ def decode_distribution(msg: common_pb2.Distribution) -> torch.Tensor:
         if len(msg.dense_f32) != 4 * msg.vocab_size:
             raise ValueError(f"a dense distribution of vocab_size {msg.vocab_size} has {4 * msg.vocab_size} "
                              f"bytes, got {len(msg.dense_f32)}")
-        values = np.frombuffer(msg.dense_f32, dtype="<f4")
-    else:
-        if len(msg.sparse_ids_i32) % 4 or len(msg.sparse_ids_i32) != len(msg.sparse_probs_f32):
-            raise ValueError(f"a sparse distribution has {len(msg.sparse_ids_i32)} bytes of ids and "
-                             f"{len(msg.sparse_probs_f32)} of probabilities: 4 bytes each, as many of both")
-        ids = np.frombuffer(msg.sparse_ids_i32, dtype="<i4")
-        if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= msg.vocab_size):
-            raise ValueError(f"a sparse distribution has ids outside [0, {msg.vocab_size})")
-        if (np.diff(ids) <= 0).any():  # so each id comes once
-            raise ValueError("a sparse distribution's ids must ascend")
-        values = np.frombuffer(msg.sparse_probs_f32, dtype="<f4")
-    if not np.isfinite(values).all() or (values < 0).any():
-        raise ValueError("a distribution has negative or non-finite probabilities")
-    if msg.dense_f32:
+        values = _checked_values(np.frombuffer(msg.dense_f32, dtype="<f4"))
         return torch.from_numpy(values.astype(np.float32))  # a copy: the message's bytes are read-only
+    if len(msg.sparse_ids_i32) % 4 or len(msg.sparse_ids_i32) != len(msg.sparse_probs_f32):
+        raise ValueError(f"a sparse distribution has {len(msg.sparse_ids_i32)} bytes of ids and "
+                         f"{len(msg.sparse_probs_f32)} of probabilities: 4 bytes each, as many of both")
+    ids = _checked_ids(msg.sparse_ids_i32, msg.vocab_size)
+    values = _checked_values(np.frombuffer(msg.sparse_probs_f32, dtype="<f4"))
     dist = torch.zeros(msg.vocab_size, dtype=torch.float32)
     dist[torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(values.astype(np.float32))
     return dist

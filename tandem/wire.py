@@ -10,8 +10,10 @@ from tandem.v1 import common_pb2
 # field's meaning changes in a way an older reader would misread rather than
 # ignore. 1: the first, whose draft distributions' sparse form was repeated
 # numbers (Distribution fields 2 and 3); its services report none, which reads
-# as 0. 2: that form as packed bytes (fields 5 and 6).
-WIRE_VERSION = 2
+# as 0. 2: that form as packed bytes (fields 5 and 6). 3: the rows of a
+# block over the same ids send them once, in the enclosing message
+# (Distribution.shared_ids).
+WIRE_VERSION = 3
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, masks=None) -> SamplingParams:

@@ -9,7 +9,7 @@ import torch
 
 from tandem import cpu_kernels, multiplex, serving, telemetry
 from tandem.batcher import CallBatcher
-from tandem.distributions import decode_distribution
+from tandem.distributions import decode_distributions
 from tandem.lean import MAX_STATIC_ROWS, LeanRunner, unsupported
 from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.model_service import CacheConfig, InvalidRequest, ModelServiceBase, inline_compute
@@ -134,14 +134,11 @@ class TargetServicer(ModelServiceBase, target_pb2_grpc.TargetServiceServicer):
             if not all(0 <= p <= 1 for p in request.draft_probs):  # NaN fails too
                 raise InvalidRequest("draft_probs must lie in [0, 1]")
             try:
-                dists = [decode_distribution(d) for d in request.draft_distributions]
+                draft_dists = decode_distributions(request.draft_distributions, request.draft_distribution_ids_i32)
             except ValueError as err:
                 raise InvalidRequest(f"draft_distributions: {err}") from None
-            if len({d.shape[0] for d in dists}) > 1:
-                raise InvalidRequest("draft_distributions differ in vocab_size")
-            if max(draft_tokens) >= dists[0].shape[0]:
+            if max(draft_tokens) >= draft_dists.shape[1]:
                 raise InvalidRequest("a draft token lies outside its draft distribution's vocab_size")
-            draft_dists = torch.stack(dists)
         if request.top_logprobs > MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
         return VerifyCall(

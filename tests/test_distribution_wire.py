@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.distributions import decode_distribution, encode_distribution, logits_to_probs
+from tandem.distributions import (SubsetDist, decode_distribution, decode_distributions, encode_distribution,
+                                  encode_distributions, logits_to_probs)
 from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2
 
@@ -78,9 +79,81 @@ def _probs(*probs) -> bytes:
     (_raw(sparse_ids_i32=_ids(1), sparse_probs_f32=_probs(1.0)), "vocab_size >= 1"),
 ])
 def test_a_malformed_distribution_is_refused_with_words(msg, words):
+    for decode in (decode_distribution, lambda msg: decode_distributions([msg])):  # alone, and as a block's row
+        with pytest.raises(ValueError) as info:
+            decode(msg)
+        assert words in str(info.value)
+
+
+def _subset_dist(ids: list[int], seed: int) -> SubsetDist:
+    probs = torch.softmax(torch.randn(len(ids), generator=torch.Generator().manual_seed(seed)) * 3, dim=0)
+    return SubsetDist(np.asarray(ids, dtype="<i4").tobytes(), probs, VOCAB)
+
+
+def _spread(dist: SubsetDist) -> torch.Tensor:
+    row = torch.zeros(VOCAB)
+    row[torch.from_numpy(np.frombuffer(dist.ids_i32, dtype="<i4").astype(np.int64))] = dist.probs
+    return row
+
+
+def test_a_block_over_one_subset_sends_its_ids_once_and_decodes_bit_for_bit():
+    """A reduced head's rows all have the same ids: a block sends them once,
+    beside the rows (wire version 3), and what the target decodes is each row
+    spread over the vocabulary, exactly."""
+    ids = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:32_768].tolist())
+    block = [_subset_dist(ids, seed) for seed in range(4)]
+    messages, shared = encode_distributions(block)
+    assert shared == block[0].ids_i32 and all(m.shared_ids and not m.sparse_ids_i32 for m in messages)
+    wire = [common_pb2.Distribution.FromString(m.SerializeToString()) for m in messages]
+    assert sum(m.ByteSize() for m in wire) + len(shared) < 5 * 4 * len(ids) + 64  # the ids once, not four times
+    decoded = decode_distributions(wire, shared)
+    assert decoded.shape == (4, VOCAB) and torch.equal(decoded, torch.stack([_spread(d) for d in block]))
+    decoded[0, 0] = 5.0  # its own tensor, not a view of the message's bytes
+    assert decode_distributions(wire, shared)[0, 0] != 5.0
+
+
+def test_a_block_of_mixed_forms_shares_only_the_first_subset_s_ids():
+    """Rows over other ids, or whole rows (a call that adjusts its logits),
+    keep their own form in the same block."""
+    first, other = list(range(0, 600, 3)), list(range(1, 600, 5))
+    dense = torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(9)), dim=0)
+    block = [_subset_dist(first, 1), _subset_dist(other, 2), dense, _subset_dist(first, 4)]
+    messages, shared = encode_distributions(block)
+    assert shared == block[0].ids_i32
+    assert [m.shared_ids for m in messages] == [True, False, False, True]
+    assert messages[1].sparse_ids_i32 == block[1].ids_i32 and len(messages[2].dense_f32) == 4 * VOCAB
+    expected = torch.stack([_spread(block[0]), _spread(block[1]), dense, _spread(block[3])])
+    assert torch.equal(decode_distributions(messages, shared), expected)
+    assert encode_distributions([dense]) == ([encode_distribution(dense)], b"")  # nothing to share
+
+
+def _shared(*probs, vocab_size=8) -> common_pb2.Distribution:
+    return _raw(shared_ids=True, sparse_probs_f32=_probs(*probs), vocab_size=vocab_size)
+
+
+@pytest.mark.parametrize("msgs, shared, words", [
+    ([_shared(0.5, 0.5)], b"", "no ids are shared"),
+    ([_shared(0.5, 0.5)], _ids(1), "4 bytes each, as many as the ids"),
+    ([_shared(0.5, 0.5)], _ids(1, 2)[:7], "4 bytes each"),
+    ([_shared(0.5, 0.5)], _ids(2, 1), "ascend"),
+    ([_shared(0.5, 0.5)], _ids(1, 8), "outside [0, 8)"),
+    ([_shared(0.5, float("nan"))], _ids(1, 2), "non-finite"),
+    ([_raw(shared_ids=True, sparse_ids_i32=_ids(1, 2), sparse_probs_f32=_probs(0.5, 0.5), vocab_size=8)], _ids(1, 2),
+     "exactly one form"),
+    ([_shared(0.5, 0.5), _shared(0.5, 0.5, vocab_size=9)], _ids(1, 2), "differ in vocab_size"),
+    ([_shared(0.5, 0.5, vocab_size=0)], _ids(1, 2), "vocab_size >= 1"),
+    ([_shared(1.0), _raw(vocab_size=8)], _ids(1), "exactly one form"),  # a malformed row beside a good one
+    ([], b"", "no distributions"),
+])
+def test_a_malformed_block_is_refused_with_words(msgs, shared, words):
     with pytest.raises(ValueError) as info:
-        decode_distribution(msg)
+        decode_distributions(msgs, shared)
     assert words in str(info.value)
+
+
+def test_a_row_over_shared_ids_is_not_decoded_without_them():
+    with pytest.raises(ValueError, match="decode_distributions"):
+        decode_distribution(_shared(0.5, 0.5))
 
 
 def test_the_sampling_probe_runs_on_the_tiny_pair_and_counts_the_bytes_only_sampling_sends(char_models, tmp_path):

@@ -156,6 +156,10 @@ BAD_DRAFT_DISTRIBUTIONS = [  # (draft_distributions, draft_probs) for the draft 
 ]
 
 
+SHARED_5_6 = common_pb2.Distribution(shared_ids=True, sparse_probs_f32=np.asarray([0.5, 0.5], dtype="<f4").tobytes(),
+                                     vocab_size=TINY_VOCAB)
+
+
 def _sampled_verify(prefix, dists, probs):
     return target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1], draft_tokens=[5, 6],
                                     draft_probs=probs, draft_distributions=dists,
@@ -174,6 +178,12 @@ def test_model_services_check_their_input(random_cluster):
                                      sampling=common_pb2.SamplingParams(temperature=1.0)),  # no draft probs
             target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1] * 600),  # past the context
             *[_sampled_verify(prefix, dists, probs) for dists, probs in BAD_DRAFT_DISTRIBUTIONS],
+            # Rows over shared ids: none sent, or fewer than the rows' probabilities.
+            *[target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1], draft_tokens=[5, 6],
+                                       draft_probs=[0.5, 0.5], draft_distributions=[SHARED_5_6] * 2,
+                                       draft_distribution_ids_i32=ids,
+                                       sampling=common_pb2.SamplingParams(temperature=1.0))
+              for ids in (b"", np.asarray([5], dtype="<i4").tobytes())],
             # Alternatives: under sampling, unpaired, twice at one position, past the block, outside the vocabulary.
             target_pb2.VerifyRequest(session_id="s", prefix=prefix, new_tokens=[1], draft_tokens=[5, 6],
                                      draft_probs=[1.0, 1.0], draft_distributions=[ONE_HOT_5, ONE_HOT_5],
