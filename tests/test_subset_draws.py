@@ -150,3 +150,35 @@ def test_sampled_tokens_keep_the_target_distribution_with_a_reduced_draft_head(t
     observed = np.append(counts[big], counts[~big].sum())
     assert chisquare(observed, np.append(expected[big], expected[~big].sum())).pvalue > 1e-3
     assert abs(counts[24:].sum() / n - exact[24:].sum()) < 0.05
+
+
+def test_an_orchestrator_that_drops_the_shared_ids_fails_sampled_requests_loudly(tiny_models, monkeypatch):
+    """An orchestrator older than its services (wire version 2) forwards the
+    rows of a reduced head's block without the ids they share: the target
+    refuses them, so the request fails with words rather than sampling from a
+    wrong residual, and greedy requests, which send no distribution, go on."""
+    import dataclasses
+
+    import grpc
+
+    from orchestrator.backends import GrpcProposer
+
+    propose = GrpcProposer.propose
+
+    async def without_ids(self, *args, **kwargs):
+        return dataclasses.replace(await propose(self, *args, **kwargs), distribution_ids=b"")
+
+    monkeypatch.setattr(GrpcProposer, "propose", without_ids)
+    prompt = [10, 20, 30, 40, 50, 60, 10, 20]
+    cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=DraftOptions(vocab_subset=24))
+    try:
+        with cluster.client() as client:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate(prompt_ids=prompt, max_tokens=6, temperature=0.7, seed=1)
+            assert refused.value.code() == grpc.StatusCode.INTERNAL
+            assert "no ids are shared" in refused.value.details()
+            alone = AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32).eval()
+            expected = alone.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+            assert client.generate(prompt_ids=prompt, max_tokens=6, temperature=0.0).token_ids == expected.tolist()
+    finally:
+        cluster.stop()
