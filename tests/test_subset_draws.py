@@ -16,7 +16,7 @@ from tandem import fingerprint
 from tandem.distributions import (SubsetDist, decode_distribution, decode_distributions, encode_distribution,
                                   encode_distributions)
 from tandem.sampling import SamplingParams
-from tests.conftest import Cluster
+from tests.conftest import Cluster, reference_greedy
 from tests.test_batching import _drafter
 
 VOCAB, HIDDEN = 1000, 16
@@ -155,8 +155,9 @@ def test_sampled_tokens_keep_the_target_distribution_with_a_reduced_draft_head(t
 def test_an_orchestrator_that_drops_the_shared_ids_fails_sampled_requests_loudly(tiny_models, monkeypatch):
     """An orchestrator older than its services (wire version 2) forwards the
     rows of a reduced head's block without the ids they share: the target
-    refuses them, so the request fails with words rather than sampling from a
-    wrong residual, and greedy requests, which send no distribution, go on."""
+    refuses them, so a sampled turn fails with words rather than sampling from
+    a wrong residual; the session keeps what it committed, and its next,
+    greedy turn (no distribution sent) goes on from there exactly."""
     import dataclasses
 
     import grpc
@@ -169,16 +170,23 @@ def test_an_orchestrator_that_drops_the_shared_ids_fails_sampled_requests_loudly
         return dataclasses.replace(await propose(self, *args, **kwargs), distribution_ids=b"")
 
     monkeypatch.setattr(GrpcProposer, "propose", without_ids)
-    prompt = [10, 20, 30, 40, 50, 60, 10, 20]
+    turns = [[10, 20, 30, 40, 50, 60, 10, 20], [7, 8, 9], [11, 12]]
     cluster = Cluster(tiny_models["target"], tiny_models["target"], draft_options=DraftOptions(vocab_subset=24))
     try:
         with cluster.client() as client:
+            session = client.create_session()
+            first = client.chat(session, message_ids=turns[0], max_tokens=6, temperature=0.0)
             with pytest.raises(grpc.RpcError) as refused:
-                client.generate(prompt_ids=prompt, max_tokens=6, temperature=0.7, seed=1)
+                client.chat(session, message_ids=turns[1], max_tokens=6, temperature=0.7, seed=1)
             assert refused.value.code() == grpc.StatusCode.INTERNAL
             assert "no ids are shared" in refused.value.details()
-            alone = AutoModelForCausalLM.from_pretrained(tiny_models["target"], dtype=torch.float32).eval()
-            expected = alone.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
-            assert client.generate(prompt_ids=prompt, max_tokens=6, temperature=0.0).token_ids == expected.tolist()
+            kept = cluster.run(cluster.orchestrator.store.load("default", session)).tokens
+            assert kept[:len(turns[0]) + 6] == turns[0] + first.token_ids  # the first turn is whole
+            third = client.chat(session, message_ids=turns[2], max_tokens=6, temperature=0.0)
+            record = cluster.run(cluster.orchestrator.store.load("default", session))
+            client.delete_session(session)
     finally:
         cluster.stop()
+    assert first.token_ids == reference_greedy(tiny_models["target"], turns[0], 6)
+    assert third.token_ids == reference_greedy(tiny_models["target"], kept + turns[2], 6)
+    assert record.tokens == kept + turns[2] + third.token_ids
