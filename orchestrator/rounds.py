@@ -27,7 +27,7 @@ class RoundStats:
     undrafted_rounds: int = 0  # rounds on the target alone: the draft service was unavailable
     relayed_drafts: int = 0  # blocks drafted after a verify whose drafting the target's relay began
     alternative_hits: int = 0  # rounds that took an alternative verified beside the block (a tree)
-    distribution_bytes: int = 0  # under sampling: the draft distributions forwarded to the target, serialized
+    distribution_bytes: int = 0  # under sampling: the draft distributions forwarded to the target, and shared ids
     overhead_ms: list[float] = field(default_factory=list)
     overhead_predrafted_ms: list[float] = field(default_factory=list)  # the next block was pre-drafted
     overhead_drafted_after_ms: list[float] = field(default_factory=list)  # it was drafted after the reply
