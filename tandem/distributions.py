@@ -181,10 +181,10 @@ class SubsetDist:
 def encode_distribution(dist: torch.Tensor | SubsetDist) -> common_pb2.Distribution:
     """[vocab] probabilities → Distribution: sparse (ids and probabilities as
     packed bytes) when under half the entries are non-zero, else dense. A
-    SubsetDist goes sparse over its ids, zeros included."""
+    SubsetDist goes sparse over its non-zero entries where they are under
+    half of its subset, else over its ids, zeros included."""
     if isinstance(dist, SubsetDist):
-        return common_pb2.Distribution(sparse_ids_i32=dist.ids_i32, vocab_size=dist.vocab_size,
-                                       sparse_probs_f32=_packed(dist.probs))
+        return _nonzero_form(dist) or _over_subset(dist, dist.ids_i32)
     assert dist.ndim == 1, dist.shape
     dist = dist.detach().float().cpu()
     vocab = dist.shape[0]
@@ -201,16 +201,44 @@ def _packed(probs: torch.Tensor) -> bytes:
     return probs.detach().float().cpu().numpy().astype("<f4").tobytes()
 
 
+def _nonzero_form(dist: SubsetDist) -> common_pb2.Distribution | None:
+    """A SubsetDist whose non-zero entries are under half of its subset's
+    (after top-k, top-p or min_p) as its own sparse form over them, the
+    smaller form; None for one to send over the whole subset."""
+    nonzero = torch.nonzero(dist.probs, as_tuple=True)[0].cpu()
+    if not len(nonzero) or 2 * len(nonzero) >= dist.probs.shape[0]:
+        return None
+    ids = np.frombuffer(dist.ids_i32, dtype="<i4")[nonzero.numpy()]  # ascending, as the subset's are
+    return common_pb2.Distribution(sparse_ids_i32=ids.tobytes(), sparse_probs_f32=_packed(dist.probs[nonzero]),
+                                   vocab_size=dist.vocab_size)
+
+
 def encode_distributions(dists: Sequence[torch.Tensor | SubsetDist]) -> tuple[list[common_pb2.Distribution], bytes]:
     """A block's distributions → their Distributions and the ids that those
     with shared_ids are over (ProposeReply.distribution_ids_i32; b"" when
-    none): the ids of the first SubsetDist go once, and every SubsetDist over
-    the same ids sends its probabilities alone. With the default pair's 32k
-    head a sampled block of 4 rows is then 0.66 MB on the wire instead of 1.05 MB."""
-    shared = next((d.ids_i32 for d in dists if isinstance(d, SubsetDist)), b"")
-    msgs = [common_pb2.Distribution(shared_ids=True, sparse_probs_f32=_packed(d.probs), vocab_size=d.vocab_size)
-            if isinstance(d, SubsetDist) and d.ids_i32 == shared else encode_distribution(d) for d in dists]
+    none): the ids of the first SubsetDist sent over its whole subset go
+    once, and every such SubsetDist over the same ids sends its probabilities
+    alone. With the default pair's 32k head a sampled block of 4 rows is then
+    0.66 MB on the wire instead of 1.05 MB. A SubsetDist with non-zero
+    entries for under half of its subset (after top-k, top-p or min_p) goes
+    in its own sparse form over them, the smaller."""
+    msgs, shared = [], b""
+    for dist in dists:
+        if not isinstance(dist, SubsetDist):
+            msgs.append(encode_distribution(dist))
+        elif (own := _nonzero_form(dist)) is not None:
+            msgs.append(own)
+        else:
+            shared = shared or dist.ids_i32
+            msgs.append(_over_subset(dist, b"" if dist.ids_i32 == shared else dist.ids_i32))
     return msgs, shared
+
+
+def _over_subset(dist: SubsetDist, ids_i32: bytes) -> common_pb2.Distribution:
+    """A SubsetDist over its whole subset, zeros included: with these ids, or
+    with shared_ids where ids_i32 is empty."""
+    return common_pb2.Distribution(sparse_ids_i32=ids_i32, shared_ids=not ids_i32,
+                                   sparse_probs_f32=_packed(dist.probs), vocab_size=dist.vocab_size)
 
 
 def decode_distributions(msgs: Sequence[common_pb2.Distribution], shared_ids: bytes = b"") -> torch.Tensor:

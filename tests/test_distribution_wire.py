@@ -127,6 +127,26 @@ def test_a_block_of_mixed_forms_shares_only_the_first_subset_s_ids():
     assert encode_distributions([dense]) == ([encode_distribution(dense)], b"")  # nothing to share
 
 
+def test_a_subset_row_with_few_non_zero_entries_goes_over_those_alone():
+    """After top-p a row of the 32k head has non-zero entries for a few of its
+    tokens: it goes in its own sparse form over them (8 bytes an entry), not
+    over the whole subset (4 bytes an entry of the subset, and the ids once);
+    a row over the whole subset in the same block still shares the ids."""
+    ids = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:32_768].tolist())
+    wide = _subset_dist(ids, 1)
+    logits = torch.randn(1, len(ids), generator=torch.Generator().manual_seed(2)) * 3
+    narrow = SubsetDist(wide.ids_i32, logits_to_probs(logits, SamplingParams(temperature=0.7, top_p=0.9))[0], VOCAB)
+    nonzero = int((narrow.probs > 0).sum())
+    assert 0 < nonzero < len(ids) // 2
+    messages, shared = encode_distributions([narrow, wide, narrow])
+    assert [m.shared_ids for m in messages] == [False, True, False] and shared == wide.ids_i32
+    assert len(messages[0].sparse_ids_i32) == len(messages[0].sparse_probs_f32) == 4 * nonzero
+    assert encode_distribution(narrow) == messages[0]  # alone, the same form
+    expected = torch.stack([_spread(narrow), _spread(wide), _spread(narrow)])
+    assert torch.equal(decode_distributions(messages, shared), expected)
+    assert encode_distributions([narrow])[1] == b""  # no row over the whole subset: no ids to share
+
+
 def _shared(*probs, vocab_size=8) -> common_pb2.Distribution:
     return _raw(shared_ids=True, sparse_probs_f32=_probs(*probs), vocab_size=vocab_size)
 

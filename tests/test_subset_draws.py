@@ -58,8 +58,10 @@ def test_a_draw_over_the_subset_is_the_draw_over_the_whole_vocabulary(sampling):
                 continue
             assert prob == pytest.approx(expected_prob, rel=1e-5)
             assert isinstance(dist, SubsetDist) and dist.vocab_size == VOCAB
-            message = encode_distribution(dist)
-            assert len(message.sparse_ids_i32) == len(message.sparse_probs_f32) == 4 * len(ids)
+            message = encode_distribution(dist)  # over the subset, or over its non-zero entries where fewer
+            nonzero = int((expected_dist > 0).sum())
+            assert len(message.sparse_ids_i32) == len(message.sparse_probs_f32) == \
+                4 * (len(ids) if 2 * nonzero >= len(ids) else nonzero)
             torch.testing.assert_close(decode_distribution(message), expected_dist, rtol=1e-5, atol=1e-7)
 
 
@@ -91,8 +93,16 @@ def test_a_drafter_drafts_over_the_subset_what_it_drafts_over_the_vocabulary(tin
     if sampling.greedy:
         return
     messages, shared = encode_distributions(fast.dists)  # as the draft service sends the block
-    assert all(m.shared_ids for m in messages) != sampling.adjusts  # a subset's ids go once, beside the rows
-    assert len(shared) == (0 if sampling.adjusts else 4 * 40)
+    # A subset's ids go once, beside its rows; a row with non-zero entries for
+    # under half of them (top-k, top-p, min_p) goes over those alone.
+    if not sampling.adjusts:
+        for message, theirs in zip(messages, spread.dists):
+            nonzero = int((theirs > 0).sum())
+            assert message.shared_ids == (2 * nonzero >= 40)
+            assert len(message.sparse_probs_f32) == 4 * (40 if message.shared_ids else nonzero)
+        assert len(shared) == (4 * 40 if any(m.shared_ids for m in messages) else 0)
+    else:
+        assert shared == b"" and not any(m.shared_ids for m in messages)
     torch.testing.assert_close(decode_distributions(messages, shared), torch.stack(spread.dists), rtol=1e-5, atol=1e-7)
 
 
