@@ -138,14 +138,32 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, first_position
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the most
-        # likely token always stays.
-        drop_sorted = (cumulative - sorted_scores.softmax(dim=-1)) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = scores.masked_fill(_beyond_top_p(scores, params.top_p), float("-inf"))
     return scores.softmax(dim=-1)
+
+
+# How many of a row's most likely tokens top-p looks among first: a partial
+# sort of them costs 0.6 ms for a row of 151,936 on a core of a Zen 5 VM, a
+# sort of the whole row 11.7.
+TOP_P_CANDIDATES = 1024
+
+
+def _beyond_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[n, vocab] scores → the mask of the tokens that top-p drops: each
+    token whose more likely tokens already have a mass of top_p or more (the
+    most likely token always stays). Found among a row's TOP_P_CANDIDATES most
+    likely tokens where their mass reaches top_p, by sorting the whole row
+    only where it does not (a flat distribution)."""
+    assert scores.ndim == 2, scores.shape
+    probs = scores.softmax(dim=-1)
+    drop = torch.ones_like(probs, dtype=torch.bool)
+    top_probs, order = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)  # descending
+    drop_sorted = (top_probs.cumsum(dim=-1) - top_probs) >= top_p
+    drop.scatter_(-1, order, drop_sorted)
+    for row in torch.nonzero(~drop_sorted[:, -1]).flatten().tolist():  # the cut lies beyond the candidates
+        row_probs, row_order = probs[row].sort(descending=True)
+        drop[row].scatter_(0, row_order, (row_probs.cumsum(dim=0) - row_probs) >= top_p)
+    return drop
 
 
 def sample(probs: torch.Tensor, u: float) -> int:

@@ -139,6 +139,41 @@ def test_logits_processing_top_k_top_p_and_sample():
     assert sample(torch.tensor([0.0, 0.5, 0.0, 0.5]), 0.99) == 3
 
 
+def _top_p_by_whole_sort(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top-p's definition, each row sorted whole: a token goes when the mass
+    of the tokens more likely than it already reaches top_p."""
+    probs = scores.softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = torch.empty_like(probs, dtype=torch.bool)
+    return drop.scatter_(-1, order, (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p)
+
+
+@pytest.mark.parametrize("vocab", [151_936, 32_790, 128])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_over_its_candidates_keeps_what_a_whole_sort_keeps(vocab, top_p):
+    """top-p looks for its cut among a row's 1024 most likely tokens first,
+    and sorts the whole row only where their mass stays under top_p: peaked
+    rows (the first path), flat ones (the second) and both in one call keep
+    exactly the tokens that sorting each whole row keeps."""
+    from tandem.distributions import TOP_P_CANDIDATES, _beyond_top_p
+
+    generator = torch.Generator().manual_seed(vocab + int(100 * top_p))
+    peaked = torch.randn(3, vocab, generator=generator) * 8  # a few tokens hold most of the mass
+    flat = torch.randn(3, vocab, generator=generator) * 0.3
+    scores = torch.cat([peaked, flat])
+    paths = set()
+    for row in scores:
+        kept_mass = row.softmax(-1).topk(min(TOP_P_CANDIDATES, vocab)).values.sum()
+        paths.add(bool(kept_mass >= top_p))
+    assert paths == ({True} if vocab <= TOP_P_CANDIDATES else {True, False})  # both paths, where there are two
+    expected = _top_p_by_whole_sort(scores, top_p)
+    assert torch.equal(_beyond_top_p(scores, top_p), expected)
+    for row in range(scores.shape[0]):  # each row alone, as a draft step asks
+        assert torch.equal(_beyond_top_p(scores[row:row + 1], top_p), expected[row:row + 1])
+    kept = logits_to_probs(scores, SamplingParams(temperature=1.0, top_p=top_p)) > 0
+    assert torch.equal(kept, ~expected) and bool(kept[torch.arange(6), scores.argmax(-1)].all())
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("inf")), dict(temperature=float("nan")),
                                  dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
 def test_sampling_params_reject_bad_values(bad):
