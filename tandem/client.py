@@ -8,7 +8,7 @@ from typing import Iterator
 
 import grpc
 
-from tandem.serving import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
+from tandem.serving import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS, OWN_CONNECTIONS
 from tandem.wire import stop_reason
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
@@ -71,7 +71,7 @@ class TandemClient:
         """api_key: sent as "authorization: Bearer KEY", for a server run with
         --api-keys. tls: dial over TLS with these credentials
         (tandem.tls.channel_credentials), for a server run with --tls-cert."""
-        options = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS]
+        options = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, *OWN_CONNECTIONS]
         self.channel = grpc.insecure_channel(address, options=options) if tls is None \
             else grpc.secure_channel(address, tls, options=options)
         self.stub = tandem_pb2_grpc.TandemStub(self.channel)

@@ -124,7 +124,15 @@ async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: l
 # The orchestrator's channels to its model services: a service that comes back
 # is reconnected within 5 s (gRPC's default backoff grows to 120 s, and calls
 # fail at once while it waits).
-SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, ("grpc.max_reconnect_backoff_ms", 5000)]
+# Each channel makes its own connections. gRPC otherwise shares them among a
+# process's channels to one address, and a new channel to a server that came
+# back on the address of one that stopped took over the old connection's
+# reconnect back-off: its first call failed at once with UNAVAILABLE
+# ("Connection refused"), with the new server listening (a flaky test, where
+# ports come round again within a process).
+OWN_CONNECTIONS = [("grpc.use_local_subchannel_pool", 1)]
+SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, *OWN_CONNECTIONS,
+                           ("grpc.max_reconnect_backoff_ms", 5000)]
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:

@@ -604,3 +604,38 @@ def test_a_call_left_unanswered_when_the_service_ends_its_stream_is_sent_again()
     tokens, opened = asyncio.run(run())
     assert tokens == [7]
     assert len(opened) == 2 and opened[0].cancelled
+
+
+def test_a_new_channel_reaches_a_server_back_on_a_stopped_one_s_address():
+    """A channel that saw its server stop keeps backing off its reconnects. A
+    new channel to a server now listening on the same address makes its own
+    connection (serving.OWN_CONNECTIONS) and its first call goes through; with
+    gRPC's shared connections it inherited the back-off and failed at once
+    with UNAVAILABLE (a flaky test, where ports come round again: without
+    OWN_CONNECTIONS this test fails)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def check(channel, timeout_s: float = 5.0) -> grpc.StatusCode:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+
+    async def run():
+        first, port, _ = serving.create_server("127.0.0.1:0", [])
+        await first.start()
+        old = serving.insecure_channel(f"127.0.0.1:{port}")
+        assert await check(old) == grpc.StatusCode.OK
+        await first.stop(0)
+        assert await check(old, 2.0) == grpc.StatusCode.UNAVAILABLE  # now backing off
+        second, _, _ = serving.create_server(f"127.0.0.1:{port}", [])
+        await second.start()
+        try:
+            async with serving.insecure_channel(f"127.0.0.1:{port}") as new:
+                return await check(new)
+        finally:
+            await old.close()
+            await second.stop(0)
+
+    assert asyncio.run(run()) == grpc.StatusCode.OK
