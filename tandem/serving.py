@@ -121,9 +121,6 @@ async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: l
     await server.stop(grace_s)
 
 
-# The orchestrator's channels to its model services: a service that comes back
-# is reconnected within 5 s (gRPC's default backoff grows to 120 s, and calls
-# fail at once while it waits).
 # Each channel makes its own connections. gRPC otherwise shares them among a
 # process's channels to one address, and a new channel to a server that came
 # back on the address of one that stopped took over the old connection's
@@ -131,6 +128,10 @@ async def run_until_signalled(server: grpc.aio.Server, health_servicer, names: l
 # ("Connection refused"), with the new server listening (a flaky test, where
 # ports come round again within a process).
 OWN_CONNECTIONS = [("grpc.use_local_subchannel_pool", 1)]
+
+# The orchestrator's channels to its model services: a service that comes back
+# is reconnected within 5 s (gRPC's default backoff grows to 120 s, and calls
+# fail at once while it waits).
 SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, *KEEPALIVE_OPTIONS, *OWN_CONNECTIONS,
                            ("grpc.max_reconnect_backoff_ms", 5000)]
 
