@@ -10,7 +10,7 @@ STUBS := tandem/v1/__init__.py
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist); tests of one file share a process. 0: one process.
 TEST_WORKERS ?= 2
-PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
+PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder  # tests/conftest.py's LONG_FILES first
 BENCH_ARGS ?=
 NODES_ARGS ?=
 DEMO_ARGS ?=
