@@ -91,6 +91,10 @@ class Decoder(ServiceCalls):
         self.stats.predraft_attempts += self.pipeline and n > 1
         return PREFILL_STEP, verify, pre
 
+    def _done(self, newly: list[int]) -> bool:
+        """Whether the round that committed `newly` was the request's last."""
+        return len(self.committed) >= self.end or not self.end_ids.isdisjoint(newly)
+
     def _commit(self, block: DraftBlock, result: VerifyResult) -> list[int]:
         newly = block.tokens[: result.accepted] + [result.next_token] + result.more_tokens
         if self.logprobs is not None:

@@ -74,10 +74,6 @@ class ServiceCalls:
         (a pre-draft: the block it follows, and the bonus token)."""
         return max(0, min(k, min(self.max_context, self.end) - len(self.committed) - ahead - 1))
 
-    def _done(self, newly: list[int]) -> bool:
-        """Whether the round that committed `newly` was the request's last."""
-        return len(self.committed) >= self.end or not self.end_ids.isdisjoint(newly)
-
     async def _resynced(self, view: ServiceView, span, call):
         """call(base), sending the committed tokens after what the service is
         believed to hold; on a cache miss, once more from the whole prefix."""
