@@ -33,7 +33,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, TandemTally, parse_args, prompt_ids, resolve_dtype, write
+from bench.common import PROMPTS, RESULTS, TandemTally, parse_args, prompt_ids, write
+from bench.hf_baselines import resolve_dtype
 
 log = logging.getLogger("bench.ab")
 

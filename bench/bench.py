@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (PROMPTS, RESULTS, baselines, count_identical, hf_assisted_config, hf_generate, load_hf, machine,
-                          parse_args, prompt_ids, resolve_dtype, table, tandem_generate, write)
+from bench.common import PROMPTS, RESULTS, count_identical, machine, parse_args, prompt_ids, table, tandem_generate, write
+from bench.hf_baselines import baselines, hf_assisted_config, hf_generate, load_hf, resolve_dtype
 
 
 def main(argv=None) -> int:

@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (PROMPTS, RESULTS, ModeResult, TandemTally, baselines, count_identical, finish,
-                          hf_assisted_config, hf_generate, hf_time, hf_warm_up, lean_generate, load_hf, parse_args,
-                          prompt_ids, resolve_dtype, tandem_generate, write)
+from bench.common import (PROMPTS, RESULTS, ModeResult, TandemTally, count_identical, parse_args, prompt_ids,
+                          tandem_generate, write)
+from bench.hf_baselines import (baselines, finish, hf_assisted_config, hf_generate, hf_time, hf_warm_up, lean_generate,
+                                load_hf, resolve_dtype)
 from bench.nodes_report import plot, report
 
 log = logging.getLogger("bench.nodes")
@@ -316,7 +317,7 @@ def main(argv=None) -> int:
 
     # The baselines run in Tandem's configuration (the identity reference: same
     # weights, same kernels) and in every other that may decode faster here
-    # (bench.common.baselines): the speedups are taken over the fastest target
+    # (bench.hf_baselines.baselines): the speedups are taken over the fastest target
     # alone, never a slower one. The others first, one model at a time; then
     # Tandem's own, timed between the pinned Tandem modes prompt by prompt
     # (pinned_modes); then (e) in it, (f) and (g), whose ratio to (f) is a

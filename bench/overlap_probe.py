@@ -18,7 +18,8 @@ import sys
 import types
 from pathlib import Path
 
-from bench.common import PROMPTS, RESULTS, TandemTally, machine, parse_args, prompt_ids, resolve_dtype, write
+from bench.common import PROMPTS, RESULTS, TandemTally, machine, parse_args, prompt_ids, write
+from bench.hf_baselines import resolve_dtype
 
 
 def main(argv=None) -> int:

@@ -25,8 +25,9 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import (PROMPTS, RESULTS, cut, load_hf, machine, pair_deployment, pair_flags, pair_record,
-                          parse_args, request_flags, resolve_dtype, write)
+from bench.common import (PROMPTS, RESULTS, cut, machine, pair_deployment, pair_flags, pair_record, parse_args,
+                          request_flags, write)
+from bench.hf_baselines import load_hf, resolve_dtype
 from tandem.client import TandemClient
 
 log = logging.getLogger("bench.sampling_probe")

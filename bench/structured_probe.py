@@ -126,11 +126,11 @@ def run(address: str, prompts: dict[str, list[int]], new_tokens: int, reps: int)
 
 def target_alone(target: str, prompts: dict[str, list[int]], new_tokens: int) -> dict:
     """Hugging Face's generate on the target alone, on this process's one
-    thread, in the dtype and kernels the target service runs (bench.common.load_hf),
+    thread, in the dtype and kernels the target service runs (bench.hf_baselines.load_hf),
     each task under its format (tandem.grammar's masks as a logits processor)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from bench.common import load_hf, resolve_dtype
+    from bench.hf_baselines import load_hf, resolve_dtype
     from tandem.default_models import resolve_model
     from tandem.grammar import GrammarMasks, apply_masks
     from tandem.structured import build_grammar

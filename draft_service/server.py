@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 from draft_service.cheap import (INT4_KERNELS, QUANTIZE, ReducedHead, auto_quantize, frequent_token_ids, int4_kernel,
                                  quantize_int4, quantize_int8)
-from draft_service.drafters import ModelDrafter, NgramDrafter, NgramModelDrafter, Proposal, ProposeCall
+from draft_service.drafters import NgramDrafter, Proposal, ProposeCall
+from draft_service.model_drafter import ModelDrafter, NgramModelDrafter
 from draft_service.prepared import Overtaken, Prepared, skip_held
 from tandem import multiplex, serving, telemetry
 from tandem.cpu_kernels import native_bf16, pack_linears

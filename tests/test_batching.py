@@ -264,7 +264,7 @@ def test_the_batch_probe_runs_both_sides_and_gets_the_same_replies(char_models, 
 
 def _drafter(tiny_models, vocab_subset: int = 0):
     """The draft service's model drafter on the lean step (its layers per op), loaded as the service loads it."""
-    from draft_service.drafters import ModelDrafter
+    from draft_service.model_drafter import ModelDrafter
     from draft_service.server import DraftOptions, _load_draft
 
     info, head = _load_draft(ModelConfig(tiny_models["other"], dtype="float32"), DraftOptions(vocab_subset=vocab_subset))

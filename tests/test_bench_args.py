@@ -1,4 +1,4 @@
-"""The benchmarks' settings (bench/nodes.py, bench/common.py): what (g) runs, and how (f) runs."""
+"""The benchmarks' settings (bench/nodes.py, common.py, hf_baselines.py): what (g) runs, and how (f) runs."""
 import argparse
 from pathlib import Path
 
@@ -32,7 +32,7 @@ def test_hf_assisted_runs_as_configured_and_keeps_the_target_output(tiny_models)
     """Mode (f), the baseline (g) is measured against: HF assisted generation
     with the settings the JSON records (not transformers' moving defaults),
     greedy, so its tokens are the target alone's."""
-    from bench.common import hf_assisted_config, hf_generate, load_hf
+    from bench.hf_baselines import hf_assisted_config, hf_generate, load_hf
 
     target = load_hf(tiny_models["target"], "float32")
     assistant = load_hf(tiny_models["other"], "float32")

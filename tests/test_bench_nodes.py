@@ -12,17 +12,17 @@ def run_bench(main, char_models, out, *flags) -> dict:
 
 
 def test_bench_nodes_runs_every_mode_and_each_equals_the_target_alone(char_models, tmp_path, monkeypatch):
-    import bench.common
+    import bench.hf_baselines
     from bench.nodes import main
 
     runs = []  # (assisted?, max_new_tokens) of every HF generate the benchmark makes
-    real_run = bench.common._hf_run
+    real_run = bench.hf_baselines._hf_run
 
     def recorded_run(model, ids, max_new_tokens, assistant=None):
         runs.append((assistant is not None, max_new_tokens))
         return real_run(model, ids, max_new_tokens, assistant)
 
-    monkeypatch.setattr(bench.common, "_hf_run", recorded_run)
+    monkeypatch.setattr(bench.hf_baselines, "_hf_run", recorded_run)
 
     out = tmp_path / "nodes.json"
     result = run_bench(main, char_models, out, "--prompts", "code-1,prose-1", "--new-tokens", "12", "--fixed-ks", "2",

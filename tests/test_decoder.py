@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from draft_service.drafters import ModelDrafter
+from draft_service.model_drafter import ModelDrafter
 from orchestrator.backends import ServiceUnavailable
 from orchestrator.breaker import DraftBreaker
 from orchestrator.decoder import Decoder
@@ -275,7 +275,8 @@ async def test_history_drafters_pre_draft_what_they_would_draft_fresh(tiny_model
     """Prompt lookup decides from the history. A pre-draft after the bonus guess
     must propose what a call after the verify would (same tokens, same draft
     probabilities), or a seeded sampled run differs with the pipeline on and off."""
-    from draft_service.drafters import NgramDrafter, NgramModelDrafter
+    from draft_service.drafters import NgramDrafter
+    from draft_service.model_drafter import NgramModelDrafter
 
     target = ModelRunner(load(ModelConfig(tiny_models["target"], dtype="float32")), "cpu")
     draft = ModelRunner(load(ModelConfig(tiny_models["target"], dtype="float32")), "cpu")

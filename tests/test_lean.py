@@ -9,7 +9,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM)
 
 from draft_service.cheap import Int4Linear, quantize_int4
-from draft_service.drafters import ModelDrafter
+from draft_service.model_drafter import ModelDrafter
 from tandem import i4w
 from tandem.lean import MAX_STATIC_ROWS, LeanRunner, lean_runner, unsupported
 from tandem.modeling import LoadedModel, ModelConfig, ModelRunner, load

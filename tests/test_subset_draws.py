@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from draft_service.cheap import ReducedHead
-from draft_service.drafters import ModelDrafter, ProposeCall, draw, draw_subset
+from draft_service.drafters import ProposeCall, draw, draw_subset
+from draft_service.model_drafter import ModelDrafter
 from draft_service.server import DraftOptions
 from tandem import fingerprint
 from tandem.distributions import (SubsetDist, decode_distribution, decode_distributions, encode_distribution,

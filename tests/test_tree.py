@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from draft_service.drafters import ModelDrafter, ProposeCall
+from draft_service.drafters import ProposeCall
+from draft_service.model_drafter import ModelDrafter
 from tandem.modeling import ModelConfig, ModelRunner, load
 from tandem.sampling import SamplingParams
 from tandem.session_cache import SessionCacheStore
